@@ -121,8 +121,9 @@ class TrainConfig:
     log_interval: int = 10
     eval_interval: int = 0  # 0 disables periodic validation
     eval_batches: int = 8
-    nan_policy: str = "stop"  # stop | skip (skip the update, stop after max_bad_steps in a row)
-    max_bad_steps: int = 5
+    nan_policy: str = "stop"  # stop (clear error, last checkpoint kept) | continue (log it, e.g. to record divergence)
+    # Save a checkpoint and exit cleanly when step % exit_interval == 0 (Megatron's --exit-interval); 0: never.
+    exit_interval: int = 0
 
 
 @dataclass
@@ -180,7 +181,7 @@ CHOICES = {
     "optim.name": ("adamw", "adam"),
     "schedule.name": ("cosine", "linear", "constant"),
     "train.precision": ("bf16", "fp32"),
-    "train.nan_policy": ("stop", "skip"),
+    "train.nan_policy": ("stop", "continue"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
 }
 

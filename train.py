@@ -1,0 +1,38 @@
+"""Train a Llama-2 or Falcon model with DeepSpeed ZeRO-3 / ZeRO++ from a recipe.
+
+    python train.py recipe=tiny_llama                                  # one process
+    torchrun --nproc_per_node 4 train.py recipe=tiny_llama train.steps=50 hpz.mode=sync
+    sbatch -N 2 --gpus-per-node 8 slurm/train.sbatch llama2_7b_finetune optim.lr=1e-5
+
+Arguments are ``key=value``: ``recipe=<name>`` picks recipes/<name>.yaml, ``<group>=<name>`` swaps a fragment
+from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted keys override single values.
+"""
+
+import sys
+
+from zerotrain.config import ConfigError, available, parse_args, RECIPES_DIR
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__ + "\nRecipes: " + ", ".join(available(RECIPES_DIR)))
+        return 0 if argv else 2
+    try:
+        cfg = parse_args(argv)  # every key and type is checked here, before any process group exists
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from zerotrain.checkpoint import CheckpointError
+    from zerotrain.data import DataError
+    from zerotrain.trainer import Trainer
+
+    try:
+        return Trainer(cfg).fit()
+    except (ConfigError, CheckpointError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

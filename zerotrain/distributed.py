@@ -1,0 +1,111 @@
+"""Process-group start-up: who am I (rank, node), which backend, and seeding.
+
+Works the same under ``torchrun``, under ``srun`` (the SLURM variables are translated by ``zerotrain.launch``) and as
+a plain single process. The cluster profile's environment (NCCL/gloo settings) is applied *before* the process group
+exists, because the collective libraries read it only once, at initialisation.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_env() -> None:
+    """A plain ``python train.py`` is a world of one: give torch.distributed the variables a launcher would."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    """Cluster-profile variables; an explicit variable in the job's environment wins over the profile."""
+    for key, value in env.items():
+        os.environ.setdefault(str(key), str(value))
+
+
+def init(timeout_minutes: float = 30.0) -> DistInfo:
+    """Create the world process group through DeepSpeed (gloo on the CPU, NCCL on GPUs)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from zerotrain.launch.slurm import apply_slurm_env
+
+    apply_slurm_env()
+    if "RANK" not in os.environ:
+        _single_process_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=accelerator.communication_backend_name(),
+            auto_mpi_discovery=False,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed on every rank: model initialisation must agree; data sharding is explicit, not random."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    from deepspeed.accelerator import get_accelerator
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if get_accelerator().device_name() != "cpu":
+        state["accelerator"] = get_accelerator().get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "accelerator" in state and get_accelerator().device_name() != "cpu":
+        get_accelerator().set_rng_state(state["accelerator"])
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

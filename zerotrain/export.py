@@ -1,0 +1,83 @@
+"""Export a training checkpoint to a Hugging Face directory (safetensors + config + tokenizer).
+
+Works offline, on one process, from the checkpoint files alone: DeepSpeed's ``zero_to_fp32`` merges every rank's
+fp32 ZeRO partitions into one state dict on the CPU (no process group, no GPU), which is loaded into the model
+built from the run's saved config and written with ``save_pretrained``. The result loads with
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+
+    python -m zerotrain.export runs/tiny-llama                 # latest checkpoint -> runs/tiny-llama/hf
+    python -m zerotrain.export runs/tiny-llama/checkpoints/step_00000100 out/
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from zerotrain import checkpoint
+from zerotrain.config import Config, ModelConfig
+from zerotrain.models import MODEL_CLASSES, hf_config, torch_dtype
+
+
+def resolve_tag_dir(path: Path) -> Path:
+    """A run directory, a checkpoints directory or a tag directory -> the tag directory."""
+    path = Path(path)
+    for root in (path / "checkpoints", path):
+        tag = checkpoint.latest_tag(root) if root.is_dir() else None
+        if tag:
+            return root / tag
+    if (path / checkpoint.OURS / "meta.json").is_file():
+        return path
+    raise checkpoint.CheckpointError(
+        f"{path} is not a run directory, a checkpoints directory or a checkpoint (no 'latest' pointer and no "
+        f"{checkpoint.OURS}/meta.json)"
+    )
+
+
+def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from zerotrain.data.tokenizer import load_tokenizer
+
+    tag_dir = Path(tag_dir)
+    meta = checkpoint.read_meta(tag_dir)
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), yaml.safe_load(meta["config"]))
+    model_cfg: ModelConfig = OmegaConf.to_object(cfg.model)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[model_cfg.family]._from_config(hf_config(model_cfg))
+    dtype = torch_dtype(cfg.train.precision)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.tie_weights()
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise checkpoint.CheckpointError(f"checkpoint {tag_dir} has no weights for: {', '.join(missing[:5])}")
+    model.config.dtype = dtype
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    load_tokenizer(cfg.data.train[0].path).save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) not in (1, 2) or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 2
+    try:
+        tag_dir = resolve_tag_dir(Path(argv[0]))
+        out = Path(argv[1]) if len(argv) == 2 else tag_dir.parent.parent / "hf"
+        print(f"exported {tag_dir} -> {export_checkpoint(tag_dir, out)}")
+    except checkpoint.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Where metrics go: a console line, a JSONL file per run (always), and Weights & Biases (rank 0 only).
+
+The W&B run id is stored with every checkpoint and given back to ``wandb.init(id=..., resume="allow")`` on restart,
+so a preempted and requeued job continues the same W&B run instead of starting a new one. Without an API key
+(``WANDB_API_KEY`` or a ``~/.netrc`` entry) W&B runs offline; ``wandb sync <run dir>/wandb/offline-run-*`` uploads
+it later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from zerotrain.config import as_container
+
+log = logging.getLogger("zerotrain")
+
+
+def setup_console(rank: int) -> None:
+    """Rank 0 prints info; other ranks only warnings, so N processes do not print N copies of everything."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+
+
+def format_line(step: int, total: int, m: dict[str, Any]) -> str:
+    parts = [f"step {step:>6}/{total}", f"loss {m['loss']:.4f}"]
+    if "lr" in m:
+        parts.append(f"lr {m['lr']:.2e}")
+    if "grad_norm" in m:
+        parts.append(f"gnorm {m['grad_norm']:.3f}")
+    if "step_time_s" in m:
+        parts.append(f"{m['step_time_s']:.3f} s/step")
+    if "tokens_per_s" in m:
+        parts.append(f"{m['tokens_per_s']:,.0f} tok/s ({m['tokens_per_s_per_device']:,.0f}/dev)")
+    if "tflops_per_device" in m:
+        parts.append(f"{m['tflops_per_device']:.3g} TFLOP/s/dev")
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    mem = m.get("mem/device_max_allocated_gib", m.get("mem/host_rss_gib"))
+    if mem is not None:
+        parts.append(f"mem {mem:.2f} GiB")
+    return " | ".join(parts)
+
+
+class JsonlMetrics:
+    """``metrics.jsonl``: one object per logged step. On resume, lines past the checkpoint's step are dropped so the
+    file holds one continuous curve (those steps are about to be recomputed, identically)."""
+
+    def __init__(self, path: Path, resume_step: Optional[int]):
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)
+        elif resume_step is None and path.exists():
+            path.unlink()  # a fresh run in a reused directory starts a fresh curve
+
+    def write(self, record: dict[str, Any]) -> None:
+        # Non-finite losses are written as NaN/Infinity (Python's json reads them back): a diverged run must show.
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_mode(requested: str) -> str:
+    if requested == "auto":
+        return "online" if _has_wandb_key() else "offline"
+    return requested
+
+
+class WandbMetrics:
+    """A thin wrapper: init (or resume) the run, log with our step as the x axis, finish."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, run_id: Optional[str]):
+        import wandb
+
+        mode = wandb_mode(cfg.wandb.mode)
+        self.run = wandb.init(
+            project=cfg.wandb.project,
+            entity=cfg.wandb.entity,
+            group=cfg.wandb.group,
+            name=cfg.wandb.name or cfg.run.name,
+            tags=list(cfg.wandb.tags),
+            config=as_container(cfg),
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            mode=mode,
+        )
+        self.run.define_metric("train/step")
+        self.run.define_metric("*", step_metric="train/step")
+        log.info("W&B run %s (%s mode)", self.run.id, mode)
+
+    @property
+    def run_id(self) -> str:
+        return self.run.id
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.run.log({"train/step": record["step"], **{k: v for k, v in record.items() if k != "step"}})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """Fan a record out to the console, the JSONL file and W&B (rank 0 only; other ranks log nothing)."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, is_main: bool, resume_step: Optional[int],
+                 wandb_run_id: Optional[str]):
+        self.is_main = is_main
+        self.total_steps = cfg.train.steps
+        self.jsonl = JsonlMetrics(run_dir / "metrics.jsonl", resume_step) if is_main else None
+        enabled = is_main and cfg.wandb.enabled and wandb_mode(cfg.wandb.mode) != "disabled"
+        self.wandb = WandbMetrics(cfg, run_dir, wandb_run_id) if enabled else None
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self.wandb.run_id if self.wandb else None
+
+    def log_train(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        log.info(format_line(step, self.total_steps, metrics))
+        self._write({"step": step, **metrics})
+
+    def log_event(self, step: int, metrics: dict[str, Any], text: str) -> None:
+        if not self.is_main:
+            return
+        log.info("step %d | %s", step, text)
+        self._write({"step": step, **metrics})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.jsonl.write(record)
+        if self.wandb:
+            self.wandb.write(record)
+
+    def close(self) -> None:
+        if self.wandb:
+            self.wandb.close()
