@@ -9,8 +9,24 @@ from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted 
 """
 
 import sys
+from pathlib import Path
 
-from zerotrain.config import ConfigError, available, parse_args, RECIPES_DIR
+from zerotrain.config import RECIPES_DIR, ConfigError, available, parse_args
+
+
+def check_inputs(cfg) -> None:
+    """Files the run needs, checked before any process is started or any directory written."""
+    for source in list(cfg.data.train) + ([{"path": cfg.data.valid}] if cfg.data.valid else []):
+        path = Path(source["path"])
+        if not (path / "manifest.json").is_file():
+            raise ConfigError(
+                f"data directory {path} does not exist or was not prepared (no manifest.json). Prepare it with "
+                f"data/prepare.py (see data/README.md), or point data.train at a prepared directory"
+            )
+    pretrained = cfg.model.pretrained_path
+    if pretrained and not (Path(pretrained) / "config.json").is_file():
+        raise ConfigError(f"model.pretrained_path={pretrained}: not a Hugging Face checkpoint directory "
+                          f"(no config.json). Download it once (huggingface-cli download) and point here")
 
 
 def main(argv: list[str]) -> int:
@@ -19,6 +35,7 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     try:
         cfg = parse_args(argv)  # every key and type is checked here, before any process group exists
+        check_inputs(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -385,6 +385,12 @@ def load(path: Path) -> DictConfig:
     return _merge(OmegaConf.structured(Config), _read_yaml(Path(path)), str(path))
 
 
+def load_text(text: str, origin: str = "saved config") -> DictConfig:
+    """Like :func:`load`, from the YAML text stored in a checkpoint's metadata."""
+    data = yaml.safe_load(text) or {}
+    return _merge(OmegaConf.structured(Config), data, origin)
+
+
 def parse_dataclass_args(schema: type, argv: Sequence[str], prog: str) -> Any:
     """The same ``key=value`` grammar for the other commands (data/prepare.py, ...): returns a validated object."""
     if dataclasses.is_dataclass(schema) is False:
