@@ -256,11 +256,16 @@ def _unknown_key_message(cfg: Any, dotted_key: str) -> str:
     parts = dotted_key.split(".")
     node = cfg
     for i, part in enumerate(parts):
-        if not isinstance(node, DictConfig) or OmegaConf.is_missing(node, part) is None:
-            break
+        prefix = ".".join(parts[:i])
+        if isinstance(node, ListConfig):
+            if not part.isdigit() or int(part) >= len(node):
+                return f"'{prefix}' is a list of {len(node)} item(s); '{part}' is not an index into it"
+            node = node[int(part)]
+            continue
+        if not isinstance(node, DictConfig):
+            return f"'{prefix}' is a value, it has no key '{part}'"
         keys = [str(k) for k in node.keys()]
         if part not in keys:
-            prefix = ".".join(parts[:i])
             valid = [f"{prefix}.{k}" if prefix else k for k in keys]
             guess = _close(".".join(parts[: i + 1]), valid)
             return f"unknown config key '{dotted_key}'.{guess} Valid keys here: {', '.join(sorted(valid))}"
@@ -275,6 +280,31 @@ def _merge(base: DictConfig, update: Any, origin: str) -> DictConfig:
         key = getattr(e, "full_key", None) or ""
         if "not in struct" in str(e) or "Key '" in str(e) and "not in" in str(e):
             raise ConfigError(f"{origin}: {_unknown_key_message(base, key)}") from None
+        message = str(getattr(e, "msg", e)).splitlines()[0]
+        raise ConfigError(f"{origin}: bad value for '{key}': {message}") from None
+
+
+def _apply_override(cfg: DictConfig, item: str) -> None:
+    """``a.b.0.c=value``: the value is parsed with OmegaConf's grammar (numbers, lists, mappings), the key must exist
+    (list items by index), and the structured schema checks the type on assignment."""
+    key, _, text = item.partition("=")
+    origin = f"override '{item}'"
+    try:
+        value = OmegaConf.from_dotlist([f"value={text}"])["value"]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{origin}: cannot parse the value: {str(e).splitlines()[0]}") from None
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if isinstance(parent, ListConfig):
+        if not leaf.isdigit() or int(leaf) >= len(parent):
+            raise ConfigError(f"{origin}: '{parent_key}' is a list of {len(parent)} item(s); '{leaf}' is not an index")
+    elif not isinstance(parent, DictConfig) or (leaf not in parent and parent_key != "zero"):
+        raise ConfigError(f"{origin}: {_unknown_key_message(cfg, key)}")
+    try:
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value)
+        OmegaConf.update(cfg, key, value, merge=True, force_add=parent_key == "zero")
+    except OmegaConfBaseException as e:
         message = str(getattr(e, "msg", e)).splitlines()[0]
         raise ConfigError(f"{origin}: bad value for '{key}': {message}") from None
 
@@ -303,7 +333,7 @@ def compose(recipe: Optional[str], overrides: Sequence[str] = ()) -> DictConfig:
         cfg = _merge(cfg, {group: _fragment(group, str(name))}, f"configs/{group}/{name}.yaml")
     cfg = _merge(cfg, body, str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path))
     for item in dotted:
-        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override '{item}'")
+        _apply_override(cfg, item)
     cfg.run.recipe = str(recipe)
     validate(cfg)
     return cfg

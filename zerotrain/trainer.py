@@ -20,9 +20,8 @@ from omegaconf import DictConfig
 from transformers.integrations import HfDeepSpeedConfig
 
 from zerotrain import checkpoint, config, distributed, engine as engine_lib, metrics, models
-from zerotrain.data.loader import build_loader
-from zerotrain.data.tokenizer import load_tokenizer
-from zerotrain.launch.layout import resolve_layout
+from zerotrain.data.loader import build_loader, build_valid_loader
+from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
 from zerotrain.launch.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from zerotrain.loggers import MetricsLogger, setup_console
 
@@ -40,6 +39,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         distributed.apply_environment(dict(cfg.cluster.env))
+        # Before the slow set-up: a SLURM warning signal arriving with no handler installed would kill the process.
+        self.preemption = PreemptionHandler()
         self.dist = distributed.init()
         setup_console(self.dist.rank)
         self.layout = resolve_layout(cfg.zero.get("zero_hpz_partition_size", 1))
@@ -50,13 +51,9 @@ class Trainer:
         self._write_run_files()
         distributed.seed_everything(cfg.run.seed)
 
-        self.tokenizer = load_tokenizer(cfg.data.train[0].path)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise config.ConfigError(
-                f"the tokenizer of {cfg.data.train[0].path} has {self.tokenizer.vocab_size} tokens but "
-                f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {self.tokenizer.vocab_size}"
-            )
-        self.train_loader = self._loader("train")
+        # Opening the data checks shard checksums and that the tokenizer fits model.vocab_size.
+        self.train_loader = self._train_loader()
+        self.valid_loader = self._valid_loader() if cfg.train.eval_interval else None
 
         self.hpz_active = self.layout.hpz_size > 1
         if self.hpz_active:
@@ -70,6 +67,7 @@ class Trainer:
             metrics.matmul_params(model), cfg.model.num_layers, cfg.model.hidden_size, cfg.train.seq_len
         )
         self.engine = engine_lib.initialize(cfg, model, self.ds_config)
+        verify_deepspeed_hpz_groups(self.layout)  # DeepSpeed's real hpZ groups must be intra-node
         self.device = get_accelerator().current_device_name()
 
         self.state = checkpoint.TrainState()
@@ -78,26 +76,40 @@ class Trainer:
                                     resume_step=self.state.step if resumed else None,
                                     wandb_run_id=self.state.wandb_run_id)
         self.state.wandb_run_id = self.logger.wandb_run_id or self.state.wandb_run_id
-        self.preemption = PreemptionHandler()
         self.peak_tflops = metrics.peak_tflops(cfg.train.precision, cfg.cluster.peak_tflops)
 
     # ----------------------------------------------------------------------------------------------------------
     # Set-up helpers
     # ----------------------------------------------------------------------------------------------------------
 
-    def _loader(self, split: str):
-        data = self.cfg.data
+    def _train_loader(self):
+        data, train = self.cfg.data, self.cfg.train
         return build_loader(
-            sources=[(source.path, source.weight) for source in data.train] if split == "train"
-            else [(data.valid or data.train[0].path, 1.0)],
-            split=split,
-            seq_len=self.cfg.train.seq_len,
-            micro_batch_size=self.cfg.train.micro_batch_size,
+            sources=[(source.path, source.weight) for source in data.train],
+            split="train",
+            seq_len=train.seq_len,
+            micro_batch_size=train.micro_batch_size,
             dp_rank=self.dist.rank,
             dp_size=self.dp_size,
             seed=self.cfg.run.seed,
             kind=data.kind,
             packing=data.packing,
+            vocab_size=self.cfg.model.vocab_size,
+        )
+
+    def _valid_loader(self):
+        data, train = self.cfg.data, self.cfg.train
+        # data.valid: a prepared validation directory; otherwise the first source's own 'valid' split.
+        return build_valid_loader(
+            data.valid or data.train[0].path,
+            seq_len=train.seq_len,
+            micro_batch_size=train.micro_batch_size,
+            dp_rank=self.dist.rank,
+            dp_size=self.dp_size,
+            num_batches=train.eval_batches,
+            kind=data.kind,
+            packing=data.packing,
+            vocab_size=self.cfg.model.vocab_size,
         )
 
     def _write_run_files(self) -> None:
@@ -237,10 +249,9 @@ class Trainer:
         rng = distributed.rng_state()
         self.engine.eval()
         total = torch.zeros(1, dtype=torch.float32, device=self.device)
-        loader = self._loader("valid")
         with torch.no_grad():
-            for _ in range(self.cfg.train.eval_batches):
-                batch = {k: v.to(self.device) for k, v in next(loader).items()}
+            for batch in self.valid_loader:
+                batch = {k: v.to(self.device) for k, v in batch.items()}
                 total += self.engine(**batch).loss.float()
         dist.all_reduce(total)
         self.engine.train()

@@ -1,0 +1,38 @@
+# The two commands of the README:
+#   make demo   set up a fresh machine (virtualenv + pinned packages), prepare the shipped corpus, train tiny Llama
+#   make test   set up the same way, then run the whole test suite
+# Everything runs on the CPU (DeepSpeed's CPU accelerator, gloo); override NPROC for more or fewer processes.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+NPROC ?= 4
+export DS_ACCELERATOR ?= cpu
+export OMP_NUM_THREADS ?= 1
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup data demo test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+data: data/prepared/shakespeare/manifest.json
+
+data/prepared/shakespeare/manifest.json: $(VENV)/.installed data/corpus/shakespeare_milton.txt
+	$(PY) data/prepare.py input=data/corpus/shakespeare_milton.txt output=data/prepared/shakespeare \
+		tokenizer.train_vocab_size=2048 valid_fraction=0.02
+
+demo: data
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py recipe=tiny_llama $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf runs data/prepared .cache
