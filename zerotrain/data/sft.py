@@ -1,0 +1,178 @@
+"""Supervised fine-tuning examples: chat templates and loss masks.
+
+An SFT record (a JSONL line, parquet row or dataset row) is either
+
+* ``{"prompt": "...", "response": "..."}`` (field names configurable), or
+* ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``.
+
+It becomes token ids plus a loss mask that is 1 exactly on the assistant's tokens (its reply text and the EOS that
+ends it) and 0 on everything else (BOS, system, user and template tokens), so the model learns to answer, not to
+ask. Templates (``chat_template``):
+
+``llama2`` — Meta's Llama-2-chat format, the one to use when fine-tuning a Llama-2 checkpoint::
+
+    <s>[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user} [/INST] {assistant} </s><s>[INST] {user} [/INST] {assistant} </s>
+
+  (``<s>``/``</s>`` are the BOS/EOS *ids*, never the text). Turns must alternate user/assistant after an optional
+  system message. The space after each answer is Meta's own (it is in their reference code and in HF's template).
+
+``plain`` — a simple template for any tokenizer, e.g. Falcon or one trained here::
+
+    {system}\\n\\nUser: {user}\\n\\nAssistant: {assistant}</s>User: {user}\\n\\nAssistant: {assistant}</s>
+
+Text between special tokens is tokenised in one piece (as a chat template would be), and a token belongs to the
+part of the text where it starts: the leading space of " {assistant}" is part of the answer, so the answer's first
+token ("▁Hello" / "ĠHello") is trained on, and the prompt tokens are exactly what an inference-time prompt encodes to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from zerotrain.data.errors import DataError
+from zerotrain.data.sources import Record
+from zerotrain.data.tokenizer import Tokenizer
+
+TEMPLATES = ("llama2", "plain")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class Special:
+    token_id: int
+    trainable: bool
+
+
+Part = Union[Text, Special]
+
+
+@dataclass(frozen=True)
+class SftFields:
+    prompt: str = "prompt"
+    response: str = "response"
+    messages: str = "messages"
+
+
+def messages_of(record: Record, fields: SftFields = SftFields()) -> list[dict[str, str]]:
+    """The record as a validated list of ``{role, content}`` messages."""
+    value = record.value
+    if not isinstance(value, dict):
+        raise DataError(f"{record.where}: SFT data must be JSONL/parquet records, not plain text")
+    if fields.messages in value:
+        messages = value[fields.messages]
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{record.where}: '{fields.messages}' must be a non-empty list of {{role, content}}")
+        for i, message in enumerate(messages):
+            ok = isinstance(message, dict) and message.get("role") in ROLES and isinstance(message.get("content"), str)
+            if not ok:
+                raise DataError(f"{record.where}: message {i} must be {{\"role\": one of {', '.join(ROLES)}, "
+                                f"\"content\": string}}, got {message!r:.120}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{record.where}: no assistant message, so nothing to train on")
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    if fields.prompt in value and fields.response in value:
+        prompt, response = value[fields.prompt], value[fields.response]
+        if not isinstance(prompt, str) or not isinstance(response, str):
+            raise DataError(f"{record.where}: '{fields.prompt}' and '{fields.response}' must be strings")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    keys = ", ".join(sorted(value)) or "none"
+    raise DataError(f"{record.where}: expected '{fields.prompt}'/'{fields.response}' or '{fields.messages}' "
+                    f"fields (found: {keys}); set prompt_field=, response_field= or messages_field=")
+
+
+def render(messages: list[dict[str, str]], template: str, tokenizer: Tokenizer, add_bos: bool, where: str) -> list[Part]:
+    if template == "llama2":
+        return _render_llama2(messages, tokenizer, add_bos, where)
+    if template == "plain":
+        return _render_plain(messages, tokenizer, add_bos)
+    raise DataError(f"chat_template={template}: unknown; valid: {', '.join(TEMPLATES)}")
+
+
+def _bos(tokenizer: Tokenizer, add_bos: bool) -> list[Part]:
+    return [Special(tokenizer.bos_id, False)] if add_bos and tokenizer.bos_id is not None else []
+
+
+def _render_llama2(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos: bool, where: str) -> list[Part]:
+    system: Optional[str] = None
+    if messages[0]["role"] == "system":
+        system, messages = messages[0]["content"], messages[1:]
+    roles = [m["role"] for m in messages]
+    if roles[::2] != ["user"] * len(roles[::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]):
+        raise DataError(f"{where}: llama2 chat template needs user/assistant turns alternating, starting with user "
+                        f"(after an optional system message); got {', '.join(roles)}")
+    parts: list[Part] = []
+    for turn in range(0, len(messages) - 1, 2):
+        user, answer = messages[turn]["content"].strip(), messages[turn + 1]["content"].strip()
+        if turn == 0 and system is not None:
+            user = f"<<SYS>>\n{system.strip()}\n<</SYS>>\n\n{user}"
+        parts += _bos(tokenizer, add_bos)
+        parts += [Text(f"[INST] {user} [/INST]", False), Text(f" {answer} ", True), Special(tokenizer.eos_id, True)]
+    return parts
+
+
+def _render_plain(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos: bool) -> list[Part]:
+    parts: list[Part] = _bos(tokenizer, add_bos)
+    for message in messages:
+        content = message["content"]
+        if message["role"] == "system":
+            parts.append(Text(f"{content}\n\n", False))
+        elif message["role"] == "user":
+            parts.append(Text(f"User: {content}\n\nAssistant:", False))
+        else:
+            parts += [Text(f" {content}", True), Special(tokenizer.eos_id, True)]
+    return parts
+
+
+def _encode_text_run(tokenizer: Tokenizer, run: list[Text]) -> tuple[list[int], list[int]]:
+    """Tokenise adjacent text parts as one string; each token takes the trainability of the part it starts in."""
+    text = "".join(p.text for p in run)
+    ids, starts = tokenizer.encode_with_offsets(text)
+    boundaries, position = [], 0
+    for part in run:
+        position += len(part.text)
+        boundaries.append(position)
+    mask, part_index = [], 0
+    for start in starts:
+        while part_index < len(run) - 1 and start >= boundaries[part_index]:
+            part_index += 1
+        mask.append(int(run[part_index].trainable))
+    return ids, mask
+
+
+def encode_parts(parts: list[Part], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    mask: list[int] = []
+    run: list[Text] = []
+    for part in parts + [None]:  # type: ignore[list-item]  # None flushes the last run of text
+        if isinstance(part, Text):
+            run.append(part)
+            continue
+        if run:
+            run_ids, run_mask = _encode_text_run(tokenizer, run)
+            ids += run_ids
+            mask += run_mask
+            run = []
+        if isinstance(part, Special):
+            ids.append(part.token_id)
+            mask.append(int(part.trainable))
+    return ids, mask
+
+
+def format_example(
+    record: Record,
+    tokenizer: Tokenizer,
+    template: str = "llama2",
+    add_bos: bool = True,
+    fields: SftFields = SftFields(),
+) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask (1 = train on this token) of one SFT record."""
+    messages = messages_of(record, fields)
+    return encode_parts(render(messages, template, tokenizer, add_bos, record.where), tokenizer)
+

@@ -1,0 +1,389 @@
+"""Tokenizers: load a Llama-2 ``tokenizer.model`` or a Falcon ``tokenizer.json``, or train a Llama-2-style one.
+
+The rest of the code sees one small interface, whatever the file behind it::
+
+    tok = load_tokenizer("path/to/tokenizer.model")   # or tokenizer.json, a HF model dir, a prepared data dir
+    ids = tok.encode("Hello world")                     # list[int]; never adds BOS/EOS
+    text = tok.decode(ids)                              # exact inverse for plain text (byte fallback / byte-level)
+    tok.bos_id, tok.eos_id, tok.pad_id                  # int, or None where the tokenizer has no such token
+    tok.vocab_size, tok.kind                            # kind: "sentencepiece" | "tokenizer_json"
+    tok.save_pretrained(out_dir)                        # files transformers.AutoTokenizer.from_pretrained loads
+
+Kinds:
+
+* ``sentencepiece``: a sentencepiece model file (Llama-2's ``tokenizer.model``, or one trained here by
+  :func:`train_sentencepiece` with Llama-2's published trainer settings: BPE, byte fallback, split digits, identity
+  normalisation, ``<unk>``=0 ``<s>``=1 ``</s>``=2). ``save_pretrained`` writes the model verbatim plus a
+  ``tokenizer_config.json`` naming ``LlamaTokenizer``; transformers converts it when loading.
+* ``tokenizer_json``: a Hugging Face ``tokenizers`` file (Falcon's byte-level BPE). The file has no notion of BOS/EOS,
+  so they come from a ``tokenizer_config.json``/``special_tokens_map.json`` next to it, else from well-known names
+  (``<|endoftext|>`` for Falcon).
+
+Text is always encoded literally: a string such as ``</s>`` inside a document is text, not the EOS token, so data
+cannot inject control tokens. ``load_tokenizer`` on a directory prefers ``tokenizer.model`` over ``tokenizer.json``
+(a Llama-2 HF directory has both; the sentencepiece model is the original).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence
+
+from zerotrain.data.errors import DataError
+
+SENTENCEPIECE = "sentencepiece"
+TOKENIZER_JSON = "tokenizer_json"
+KINDS = (SENTENCEPIECE, TOKENIZER_JSON)
+
+# Where a prepared data set keeps its copy of the tokenizer (see zerotrain.data.prepare).
+DATASET_TOKENIZER_DIR = "tokenizer"
+
+# Llama-2's sentencepiece trainer settings, as recorded in the trainer_spec of its tokenizer.model. Threads are 1
+# (Llama-2 used 80) and the input is not shuffled so that training is deterministic: same text, same bytes.
+LLAMA2_TRAINER_SPEC = dict(
+    model_type="bpe",
+    character_coverage=0.99995,
+    byte_fallback=True,
+    split_digits=True,
+    split_by_unicode_script=True,
+    split_by_whitespace=True,
+    split_by_number=True,
+    allow_whitespace_only_pieces=True,
+    max_sentencepiece_length=16,
+    max_sentence_length=4192,
+    normalization_rule_name="identity",
+    add_dummy_prefix=True,
+    remove_extra_whitespaces=False,
+    unk_id=0,
+    bos_id=1,
+    eos_id=2,
+    pad_id=-1,
+    num_threads=1,
+    shuffle_input_sentence=False,
+    hard_vocab_limit=True,
+    vocabulary_output_piece_score=True,
+    minloglevel=2,  # errors only: sentencepiece otherwise logs every one of the 256 byte pieces
+)
+
+# Names tried, in order, when a tokenizer.json comes without a config naming its special tokens.
+KNOWN_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+KNOWN_BOS = ("<s>", "<|begin_of_text|>", "<bos>")
+KNOWN_PAD = ("<pad>", "[PAD]")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    # Sorted keys and a trailing newline: two preparations of the same input write the same bytes.
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+class Tokenizer(ABC):
+    """The interface the data pipeline and the trainer use (see the module docstring)."""
+
+    kind: str
+    filename: str  # the name transformers (and load_tokenizer) look for in a directory
+    path: Path  # the file that defines the tokenizer; copied verbatim by save_pretrained
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def bos_id(self) -> Optional[int]: ...
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> Optional[int]: ...
+
+    @property
+    @abstractmethod
+    def pad_id(self) -> Optional[int]: ...
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without BOS/EOS."""
+
+    @abstractmethod
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, possibly in parallel; the result never depends on ``num_threads``."""
+
+    @abstractmethod
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids and, for each, the character offset in ``text`` where the token starts (for SFT loss masks)."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    @abstractmethod
+    def token_text(self, token_id: int) -> str:
+        """The text of one (special) token, e.g. ``</s>``."""
+
+    @property
+    def sha256(self) -> str:
+        return file_sha256(self.path)
+
+    def describe(self) -> dict:
+        """What a manifest records about the tokenizer."""
+        return {
+            "kind": self.kind,
+            "file": self.filename,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+        }
+
+    def save_pretrained(self, out_dir: str | Path) -> list[Path]:
+        """Write the tokenizer file verbatim plus the config files ``AutoTokenizer.from_pretrained`` needs."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        target = out / self.filename
+        if not target.exists() or not target.samefile(self.path):
+            shutil.copyfile(self.path, target)
+        special = {
+            key: self.token_text(token_id)
+            for key, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id))
+            if token_id is not None
+        }
+        config = {**self._hf_config(), **special}
+        _write_json(out / "tokenizer_config.json", config)
+        _write_json(out / "special_tokens_map.json", special)
+        return [target, out / "tokenizer_config.json", out / "special_tokens_map.json"]
+
+    @abstractmethod
+    def _hf_config(self) -> dict: ...
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece model: Llama-2's ``tokenizer.model`` or one trained by :func:`train_sentencepiece`."""
+
+    kind = SENTENCEPIECE
+    filename = "tokenizer.model"
+
+    def __init__(self, path: Path):
+        import sentencepiece as spm
+
+        self.path = Path(path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (OSError, RuntimeError) as e:
+            raise DataError(f"{self.path}: not a readable sentencepiece model ({e}). Pass a Llama-2 tokenizer.model, "
+                            f"a tokenizer.json, or leave tokenizer unset to train one") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def _optional(self, token_id: int) -> Optional[int]:
+        return None if token_id < 0 else token_id
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        return self._optional(self._sp.bos_id())
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self._optional(self._sp.eos_id())
+
+    @property
+    def pad_id(self) -> Optional[int]:
+        return self._optional(self._sp.pad_id())
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        return self._sp.encode(list(texts), num_threads=num_threads)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        mapping = self._sp.encode_as_offset_mapping(text)
+        return list(mapping["ids"]), [start for start, _ in mapping["offsets"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def token_text(self, token_id: int) -> str:
+        return self._sp.id_to_piece(token_id)
+
+    def _hf_config(self) -> dict:
+        # legacy=True keeps sentencepiece's own handling of the dummy prefix, as Llama-2's released files do.
+        return {
+            "tokenizer_class": "LlamaTokenizer",
+            "unk_token": self.token_text(self._sp.unk_id()),
+            "add_bos_token": self.bos_id is not None,
+            "add_eos_token": False,
+            "legacy": True,
+            "clean_up_tokenization_spaces": False,
+        }
+
+
+class TokenizerJson(Tokenizer):
+    """A Hugging Face ``tokenizers`` file such as Falcon's ``tokenizer.json`` (byte-level BPE)."""
+
+    kind = TOKENIZER_JSON
+    filename = "tokenizer.json"
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.path = Path(path)
+        try:
+            self._tok = HFTokenizer.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises a bare Exception for unparsable files
+            raise DataError(f"{self.path}: not a readable tokenizers file ({e})") from None
+        # Otherwise "<|endoftext|>" written in a document would become the EOS token: data must stay data.
+        self._tok.encode_special_tokens = True
+        special = _special_tokens_next_to(self.path)
+        self._bos = self._find(special.get("bos_token"), KNOWN_BOS if "eos_token" not in special else ())
+        self._eos = self._find(special.get("eos_token"), KNOWN_EOS)
+        self._pad = self._find(special.get("pad_token"), KNOWN_PAD if "eos_token" not in special else ())
+        if self._eos is None:
+            raise DataError(
+                f"{self.path}: cannot tell which token ends a document. Put a tokenizer_config.json with "
+                f"\"eos_token\" next to it (tried {', '.join(KNOWN_EOS)})"
+            )
+
+    def _find(self, configured: Optional[str], fallbacks: Sequence[str]) -> Optional[int]:
+        if configured is not None:
+            token_id = self._tok.token_to_id(configured)
+            if token_id is None:
+                raise DataError(f"{self.path}: special token {configured!r} named in its config is not in the vocab")
+            return token_id
+        for name in fallbacks:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        return self._bos
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self._eos
+
+    @property
+    def pad_id(self) -> Optional[int]:
+        return self._pad
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        # tokenizers parallelises internally (its own thread pool); results are order-preserving.
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
+    def _hf_config(self) -> dict:
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+
+
+def _special_tokens_next_to(path: Path) -> dict[str, str]:
+    """bos/eos/pad token strings from the HF config files beside a tokenizer.json, where there are any."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        config_path = path.parent / name
+        if not config_path.is_file():
+            continue
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"{config_path}: not valid JSON ({e})") from None
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = config.get(key)
+            if isinstance(value, dict):  # AddedToken serialisation: {"content": "<|endoftext|>", ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                found[key] = value
+    return found
+
+
+def find_tokenizer_file(path_or_dir: str | Path) -> Path:
+    """The tokenizer file a path names: the file itself, or the one in a model or prepared-data directory."""
+    path = Path(path_or_dir)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise DataError(f"{path}: no such tokenizer file or directory. Pass a tokenizer.model (Llama-2), "
+                        f"a tokenizer.json (Falcon), a directory holding one, or a prepared data directory")
+    if (path / "manifest.json").is_file() and (path / DATASET_TOKENIZER_DIR).is_dir():
+        path = path / DATASET_TOKENIZER_DIR
+    for name in ("tokenizer.model", "tokenizer.json"):
+        if (path / name).is_file():
+            return path / name
+    raise DataError(f"{path}: directory has no tokenizer.model or tokenizer.json")
+
+
+def load_tokenizer(path_or_dir: str | Path) -> Tokenizer:
+    """Load a tokenizer from a file, a Hugging Face model directory, or a prepared data directory."""
+    path = find_tokenizer_file(path_or_dir)
+    if path.suffix == ".json":
+        return TokenizerJson(path)
+    return SentencePieceTokenizer(path)
+
+
+def _lines(texts: Iterable[str]) -> Iterator[str]:
+    # sentencepiece trains on "sentences"; lines are the natural unit. Newlines themselves are never pieces (they
+    # are byte-fallback tokens, as in Llama-2), so nothing is lost.
+    for text in texts:
+        for line in text.split("\n"):
+            if line.strip():
+                yield line
+
+
+def train_sentencepiece(
+    texts: Iterable[str],
+    out_path: str | Path,
+    vocab_size: int,
+    seed: int = 1234,
+    max_sentences: int = 0,
+) -> SentencePieceTokenizer:
+    """Train a Llama-2-style BPE sentencepiece model on ``texts`` and write it to ``out_path``.
+
+    Deterministic: the same texts and arguments give a byte-identical model (one thread, fixed seed, no shuffling).
+    ``max_sentences`` > 0 trains on the first that many lines only (a large corpus needs no more than a few million).
+    """
+    import sentencepiece as spm
+
+    out_path = Path(out_path)
+    spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
+    options = dict(LLAMA2_TRAINER_SPEC, vocab_size=vocab_size, input_sentence_size=max_sentences)
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=_lines(texts), model_writer=model, **options)
+    except RuntimeError as e:
+        raise DataError(
+            f"training a {vocab_size}-token sentencepiece tokenizer on this text failed: {e}. With little text or "
+            f"few distinct characters, lower tokenizer.train_vocab_size (it must exceed 259 + the number of distinct characters)"
+        ) from None
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_bytes(model.getvalue())
+    return SentencePieceTokenizer(out_path)
