@@ -57,11 +57,13 @@ def init(timeout_minutes: float = 30.0) -> DistInfo:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from zerotrain.launch.rendezvous import check_rendezvous
     from zerotrain.launch.slurm import apply_slurm_env
 
     apply_slurm_env()
     if "RANK" not in os.environ:
         _single_process_env()
+    check_rendezvous()  # an unreachable rendezvous fails here, in bounded time, naming the node
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":

@@ -1,0 +1,75 @@
+"""PreemptionHandler: handlers only set a flag; should_stop agrees across ranks; repeated signals are harmless."""
+
+import os
+import signal
+import socket
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from zerotrain.launch.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
+
+
+@pytest.fixture
+def handler():
+    h = PreemptionHandler()
+    yield h
+    h.uninstall()
+
+
+def test_requeue_exit_code_is_distinct_from_crashes_and_signals():
+    assert REQUEUE_EXIT_CODE not in (0, 1, 2, 126, 127) and REQUEUE_EXIT_CODE < 128
+
+
+def test_signal_only_sets_a_flag(handler):
+    assert not handler.requested and not handler.should_stop()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert handler.requested and handler.received == signal.SIGUSR1
+    assert handler.should_stop() and handler.stopping
+
+
+def test_sigterm_also_requests_a_stop(handler):
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert handler.should_stop()
+
+
+def test_second_signal_while_saving_is_ignored_not_fatal(handler, capfd):
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert handler.should_stop()  # the trainer is now saving
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert handler.received == signal.SIGUSR1 and handler.should_stop()
+    err = capfd.readouterr().err
+    assert "SIGTERM received while saving the preemption checkpoint: ignored" in err
+
+
+def test_uninstall_restores_previous_handlers():
+    before = signal.getsignal(signal.SIGUSR1)
+    h = PreemptionHandler()
+    assert signal.getsignal(signal.SIGUSR1) == h._on_signal
+    h.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def _agreement_worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    handler = PreemptionHandler()
+    decisions = []
+    for step in range(4):
+        if step == 1 and rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is signalled
+        decisions.append(handler.should_stop())
+    results[rank] = decisions
+    dist.destroy_process_group()
+
+
+def test_all_ranks_agree_on_the_stop_step():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    # fork: torch is already imported here, so the workers start in milliseconds instead of re-importing it
+    mp.start_processes(_agreement_worker, args=(port, results), nprocs=2, join=True, start_method="fork")
+    assert results[0] == results[1] == [False, True, True, True]
