@@ -1,0 +1,27 @@
+"""Synthetic run directories for the comparison tests: metrics.jsonl written the way zerotrain.loggers writes it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+TOKENS_PER_STEP = 1000
+
+
+def record(step: int, loss: float, step_time: float = 1.0, tps: Optional[float] = None, mfu: Optional[float] = None,
+           **extra: Any) -> dict[str, Any]:
+    tps = TOKENS_PER_STEP / step_time if tps is None else tps
+    return {"step": step, "loss": loss, "lr": 2e-5, "grad_norm": 1.0, "step_time_s": step_time,
+            "tokens": step * TOKENS_PER_STEP, "tokens_per_s": tps, "tokens_per_s_per_device": tps / 4,
+            "tflops_per_device": 1.0, "mfu": mfu, **extra}
+
+
+def write_run(run_dir: Path, rows: Iterable[dict[str, Any]], group: Optional[str] = None) -> Path:
+    """A run directory with metrics.jsonl (json.dumps writes NaN as NaN, as the trainer does) and, with a group,
+    the config.yaml the trainer saves (only the keys the comparison reads)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if group is not None:
+        (run_dir / "config.yaml").write_text(f"run:\n  name: {run_dir.name}\nwandb:\n  group: {group}\n")
+    return run_dir
