@@ -43,3 +43,11 @@ def torchrun(nproc: int, script: str | Path, *args: str, **kwargs) -> subprocess
     """``torchrun --standalone --nproc_per_node N script args...`` from the repository root."""
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
     return run_command(cmd, **kwargs)
+
+
+def prepare_shipped_corpus(out_dir: Path, vocab_size: int = 2048) -> Path:
+    """The shipped corpus through the real prepare command (the same one `make data` runs)."""
+    if not (out_dir / "manifest.json").is_file():
+        run_command([PYTHON, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt", f"output={out_dir}",
+                     f"tokenizer.train_vocab_size={vocab_size}", "valid_fraction=0.02", "progress=false"], timeout=600)
+    return out_dir

@@ -147,6 +147,19 @@ class WandbConfig:
 
 
 @dataclass
+class MMLUConfig:
+    """MMLU during training (zerotrain.evaluation): every ``interval`` steps and after the last step."""
+
+    enabled: bool = False
+    interval: int = 0  # 0: only after the last step
+    data: str = "data/mmlu/test.jsonl"  # cais/mmlu (the hub), a local JSONL/parquet file, or a Hendrycks CSV dir
+    subjects: list[str] = field(default_factory=list)  # empty: all 57
+    limit_per_subject: int = 0  # 0: all questions; a small cap keeps in-training evaluation quick
+    shots: int = 5
+    batch_size: int = 8
+
+
+@dataclass
 class ClusterConfig:
     name: str = "local"
     # Accelerator peak dense TFLOP/s used for MFU; 0 looks the device up in zerotrain.metrics.PEAK_TFLOPS.
@@ -168,6 +181,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    mmlu: MMLUConfig = field(default_factory=MMLUConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 

@@ -49,8 +49,10 @@ def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
     cfg = OmegaConf.merge(OmegaConf.structured(Config), yaml.safe_load(meta["config"]))
     model_cfg: ModelConfig = OmegaConf.to_object(cfg.model)
     state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    # The class itself, not _from_config: inside a training process an HfDeepSpeedConfig is alive and _from_config
+    # would enter zero.Init (collective) on this one rank. On the meta device no memory is touched until the load.
     with torch.device("meta"):
-        model = MODEL_CLASSES[model_cfg.family]._from_config(hf_config(model_cfg))
+        model = MODEL_CLASSES[model_cfg.family](hf_config(model_cfg))
     dtype = torch_dtype(cfg.train.precision)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     model.tie_weights()

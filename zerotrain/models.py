@@ -84,8 +84,8 @@ def build_model(model: ModelConfig, precision: str) -> torch.nn.Module:
 
 def count_parameters(model: ModelConfig) -> int:
     """Exact parameter count of a shape, computed on the meta device (no memory, no weights)."""
-    with torch.device("meta"):
-        module = MODEL_CLASSES[model.family]._from_config(hf_config(model))
+    with torch.device("meta"):  # the class, not _from_config, which could enter zero.Init in a training process
+        module = MODEL_CLASSES[model.family](hf_config(model))
     seen: set[int] = set()
     total = 0
     for p in module.parameters():  # tied weights appear once

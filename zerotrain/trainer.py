@@ -70,6 +70,8 @@ class Trainer:
         verify_deepspeed_hpz_groups(self.layout)  # DeepSpeed's real hpZ groups must be intra-node
         self.device = get_accelerator().current_device_name()
 
+        self.mmlu = self._prepare_mmlu() if cfg.mmlu.enabled else None
+
         self.state = checkpoint.TrainState()
         resumed = self._maybe_resume()
         self.logger = MetricsLogger(cfg, self.run_dir, self.dist.is_main,
@@ -111,6 +113,18 @@ class Trainer:
             packing=data.packing,
             vocab_size=self.cfg.model.vocab_size,
         )
+
+    def _prepare_mmlu(self):
+        """Questions tokenised once, identically on every rank, with the tokenizer the training data was made with
+        (a Hugging Face re-export of it may split whitespace differently)."""
+        from zerotrain.data.tokenizer import load_tokenizer
+        from zerotrain.evaluation import load_mmlu, prepare_mmlu
+
+        mmlu = self.cfg.mmlu
+        data = load_mmlu(mmlu.data, subjects=list(mmlu.subjects) or None,
+                         limit_per_subject=mmlu.limit_per_subject or None, shots=mmlu.shots)
+        self.mmlu_tokenizer = load_tokenizer(self.cfg.data.train[0].path)
+        return prepare_mmlu(data, self.mmlu_tokenizer, max_length=self.cfg.model.max_seq_len)
 
     def _write_run_files(self) -> None:
         if self.dist.is_main:
@@ -159,14 +173,18 @@ class Trainer:
                 window_losses.append(loss)
                 self.state.step += 1
                 self.state.tokens += self.tokens_per_step
-                if nonfinite:
-                    self._on_nonfinite(loss)
                 step = self.state.step
-                if step % cfg.log_interval == 0 or step == cfg.steps:
+                # A non-finite step is always logged, so a diverged run's curve shows where it diverged.
+                if nonfinite or step % cfg.log_interval == 0 or step == cfg.steps:
                     self.logger.log_train(step, self._metrics(window, window_losses, lr))
                     window, window_losses = [], []
+                if nonfinite:
+                    self._on_nonfinite(loss)
                 if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
                     self._evaluate()
+                mmlu_every = self.cfg.mmlu.interval
+                if self.mmlu is not None and ((mmlu_every and step % mmlu_every == 0) or step == cfg.steps):
+                    self._evaluate_mmlu()
                 if self.preemption.should_stop():
                     self._save()
                     log.info("preempted at step %d: checkpoint saved, exiting for requeue", step)
@@ -259,6 +277,21 @@ class Trainer:
         val = total.item() / (self.cfg.train.eval_batches * self.dp_size)
         self.logger.log_event(self.state.step, {"val/loss": val, "val/ppl": math.exp(min(val, 50.0))},
                               f"validation loss {val:.4f}")
+
+    def _evaluate_mmlu(self) -> None:
+        """MMLU on all ranks (questions split across data-parallel ranks, equal forward counts). The evaluator puts
+        the model in eval mode and back and restores the RNG states: training continues exactly as without it."""
+        from zerotrain.evaluation import evaluate
+
+        started = time.perf_counter()
+        result = evaluate(self.engine, self.mmlu_tokenizer, self.mmlu, batch_size=self.cfg.mmlu.batch_size,
+                          max_length=self.cfg.model.max_seq_len, device=self.device)
+        record = result.to_log_dict()
+        record["mmlu/questions"] = result.micro.total
+        record["mmlu/seconds"] = time.perf_counter() - started
+        self.logger.log_event(self.state.step, record,
+                              f"MMLU {100 * result.micro.accuracy:.2f}% micro, {100 * result.macro:.2f}% macro "
+                              f"({result.micro.total} questions, {record['mmlu/seconds']:.1f} s)")
 
     def _save(self) -> None:
         rank_state = {"loader": self.train_loader.state_dict(), "rng": distributed.rng_state()}

@@ -1,0 +1,64 @@
+"""The baseline for benchmarks/train_throughput.py: a plain Hugging Face ``Trainer`` on the same model, data,
+batch and DeepSpeed config as one of our runs. Launched under torchrun; prints steady-state tokens/s as JSON.
+
+    torchrun --nproc_per_node 4 benchmarks/hf_trainer_baseline.py <our run dir> <steps> <out.json>
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from zerotrain import config
+from zerotrain.data.loader import build_loader
+from zerotrain.models import MODEL_CLASSES, hf_config
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self):
+        self.times = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter())
+
+
+def main() -> int:
+    run_dir, steps, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    cfg = config.load(run_dir / "config.yaml")
+    ds = json.loads((run_dir / "deepspeed_config.json").read_text())
+    world = ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])
+    if ds["zero_optimization"].get("zero_hpz_partition_size", 1) > 1:
+        from zerotrain import hpz
+
+        hpz.install(mode=cfg.hpz.mode)
+    for key in ("seed", "zero_allow_untested_optimizer"):
+        ds.pop(key, None)
+    args = TrainingArguments(
+        output_dir=str(run_dir / "hf_trainer"), max_steps=steps, per_device_train_batch_size=cfg.train.micro_batch_size,
+        gradient_accumulation_steps=cfg.train.grad_accum, learning_rate=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+        adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1], adam_epsilon=cfg.optim.eps,
+        max_grad_norm=cfg.train.grad_clip, warmup_steps=cfg.schedule.warmup_steps, lr_scheduler_type="cosine",
+        optim="adamw_torch", bf16=cfg.train.precision == "bf16", deepspeed=ds, ddp_backend="gloo", report_to=[],
+        logging_steps=10**9, save_strategy="no", dataloader_num_workers=0, seed=cfg.run.seed, use_cpu=False,
+        disable_tqdm=True,
+    )
+    # TrainingArguments(deepspeed=...) keeps an HfDeepSpeedConfig alive: the model is built under zero.Init.
+    model = MODEL_CLASSES[cfg.model.family]._from_config(hf_config(cfg.model))
+    loader = build_loader([(s.path, s.weight) for s in cfg.data.train], "train", cfg.train.seq_len, 1,
+                          seed=cfg.run.seed, vocab_size=cfg.model.vocab_size)
+    samples = [{k: v[0] for k, v in next(loader).items()} for _ in range(steps * ds["train_batch_size"])]
+    timer = StepTimer()
+    Trainer(model=model, args=args, train_dataset=samples, callbacks=[timer]).train()
+    if torch.distributed.get_rank() == 0:
+        steady = timer.times[2:]  # the first steps include start-up work
+        per_step = (steady[-1] - steady[0]) / (len(steady) - 1)
+        tokens = ds["train_batch_size"] * cfg.train.seq_len
+        out.write_text(json.dumps({"step_time_s": per_step, "tokens_per_s": tokens / per_step, "world": world}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Throughput of our training loop next to a plain Hugging Face ``Trainer``, and of data preparation.
+
+Same model (tiny Llama), same data (the shipped corpus), same batch and the same DeepSpeed config (ZeRO-3 + hpZ 2
+on 4 CPU processes by default). Prints a Markdown table.
+
+    .venv/bin/python benchmarks/train_throughput.py [--steps 30] [--nproc 4] [--recipe tiny_llama] [--hpz 2]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+       "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+
+
+def prepare(out: Path) -> dict:
+    started = time.perf_counter()
+    run([sys.executable, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt", f"output={out}",
+         "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"])
+    elapsed = time.perf_counter() - started
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokens = sum(split["num_tokens"] for split in manifest["splits"].values())
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def torchrun(nproc: int, *args: str) -> None:
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--recipe", default="tiny_llama")
+    parser.add_argument("--hpz", type=int, default=2)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="zerotrain-bench-"))
+    data = prepare(work / "data")
+    torchrun(args.nproc, "train.py", f"recipe={args.recipe}", f"train.steps={args.steps}", "train.log_interval=5",
+             "train.eval_interval=0", "checkpoint.save_final=false", "wandb.enabled=false",
+             f"zero.zero_hpz_partition_size={args.hpz}", f"run.output_dir={work}", "run.name=ours",
+             f"data.train.0.path={work / 'data'}")
+    records = [json.loads(line) for line in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in records if "tokens_per_s" in r][1:]  # the first window includes start-up work
+    ours = sum(r["tokens_per_s"] for r in steady) / len(steady)
+    ours_step = sum(r["step_time_s"] for r in steady) / len(steady)
+    torchrun(args.nproc, "benchmarks/hf_trainer_baseline.py", str(work / "ours"), str(args.steps),
+             str(work / "hf.json"))
+    hf = json.loads((work / "hf.json").read_text())
+
+    print(f"\n{args.recipe}, {args.nproc} CPU processes, ZeRO-3 hpZ {args.hpz}, {args.steps} steps "
+          f"(steady state, first window excluded)\n")
+    print("| loop | step time (s) | tokens/s | tokens/s per process | relative |")
+    print("|---|---|---|---|---|")
+    print(f"| zerotrain train.py | {ours_step:.3f} | {ours:,.0f} | {ours / args.nproc:,.0f} | 1.00 |")
+    print(f"| HF Trainer (same DeepSpeed config) | {hf['step_time_s']:.3f} | {hf['tokens_per_s']:,.0f} | "
+          f"{hf['tokens_per_s'] / args.nproc:,.0f} | {hf['tokens_per_s'] / ours:.2f} |")
+    print(f"\ndata/prepare.py on the shipped corpus (tokenizer training included): {data['tokens']:,} tokens in "
+          f"{data['seconds']:.1f} s = {data['tokens_per_s']:,.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Train through the real Trainer (as train.py does), then record the engine's logits on a fixed batch.
+
+The logits let a test compare the DeepSpeed ZeRO-3 model with its Hugging Face export, token for token.
+Usage: torchrun ... tests/workers/train_and_probe.py <probe.pt> key=value ...
+"""
+
+import sys
+
+import torch
+
+from zerotrain import config
+from zerotrain.trainer import Trainer
+
+
+def main() -> int:
+    probe_path, argv = sys.argv[1], sys.argv[2:]
+    trainer = Trainer(config.parse_args(argv))
+    code = trainer.fit()
+    vocab = trainer.cfg.model.vocab_size
+    input_ids = (torch.arange(2 * 24).reshape(2, 24) * 37 + 5) % vocab
+    trainer.engine.eval()
+    with torch.no_grad():  # a ZeRO-3 forward is collective: every rank runs it
+        logits = trainer.engine(input_ids=input_ids.to(trainer.device)).logits.float().cpu()
+    if trainer.dist.is_main:
+        torch.save({"input_ids": input_ids, "logits": logits}, probe_path)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
