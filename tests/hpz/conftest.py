@@ -1,0 +1,29 @@
+"""pytest fixtures for the hpZ tests: one shared torchrun launch of worker_suite.py per session."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from hpz_launch import HERE, torchrun
+
+
+@pytest.fixture(scope="session")
+def hpz_suite(tmp_path_factory) -> dict:
+    """Results of worker_suite.py: {"parity": ..., "defects": ..., "trainer": ..., "seconds": ...}."""
+    work = tmp_path_factory.mktemp("hpz_suite")
+    out = work / "out.json"
+    t0 = time.time()
+    proc = torchrun(HERE / "worker_suite.py", str(out), env={"HPZ_TMP": str(work)})
+    wall = time.time() - t0
+    if not out.is_file():
+        raise AssertionError(f"worker_suite.py wrote no results (exit {proc.returncode}, {wall:.0f} s)\n"
+                             f"{(proc.stdout + proc.stderr)[-6000:]}")
+    results = json.loads(out.read_text())
+    results["launch_wall_seconds"] = round(wall, 1)
+    results["returncode"] = proc.returncode
+    results["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    print(f"\nhpZ suite launch: {wall:.1f} s wall; stages: {results.get('seconds')}")
+    return results
