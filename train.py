@@ -42,13 +42,20 @@ def main(argv: list[str]) -> int:
 
     from zerotrain.checkpoint import CheckpointError
     from zerotrain.data import DataError
+    from zerotrain.hpz import HpzVerificationError
+    from zerotrain.launch.layout import LayoutError
+    from zerotrain.launch.rendezvous import RendezvousError
+    from zerotrain.launch.slurm import SlurmEnvError
     from zerotrain.trainer import Trainer
 
     try:
         return Trainer(cfg).fit()
-    except (ConfigError, CheckpointError, DataError) as e:
+    except (ConfigError, CheckpointError, DataError, LayoutError, RendezvousError, SlurmEnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except HpzVerificationError as e:  # hpz.verify=true found a secondary shard that differs from its primary
+        print(f"error: {e}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":
