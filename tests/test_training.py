@@ -160,3 +160,20 @@ def test_tiny_falcon_trains_in_bf16_on_4_processes(tmp_path, shakespeare):
     assert curve[12] < curve[1] - 0.3, curve
     assert not (tmp_path / "falcon" / "wandb").exists()
 
+
+
+def test_standalone_mmlu_scores_a_training_run_directory(uninterrupted, tmp_path):
+    """evaluation/mmlu.py on the run directory exports the latest checkpoint once and scores it; on these questions
+    it agrees with the in-training hook's last evaluation (same weights, same protocol)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted[0], run_dir)
+    report = tmp_path / "mmlu.json"
+    run_command([PYTHON, "evaluation/mmlu.py", "--checkpoint", str(run_dir), "--data", "data/mmlu/test.jsonl",
+                 "--subjects", "astronomy", "marketing", "world_religions", "--limit-per-subject", "3",
+                 "--shots", "2", "--batch-size", "4", "--output", str(report)], timeout=300)
+    assert (run_dir / "checkpoints" / "step_00000016" / "hf" / "config.json").is_file()
+    standalone = json.loads(report.read_text())["overall"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    hook = [r for r in records if "mmlu/acc" in r][-1]
+    assert standalone["micro"]["total"] == hook["mmlu/questions"]
+    assert standalone["micro"]["accuracy"] == pytest.approx(hook["mmlu/acc"])
