@@ -24,6 +24,10 @@ CPU_ENV = {
     "WANDB_SILENT": "true",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
+    # Nothing in the tests may reach the Hugging Face hub.
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
 }
 os.environ.update(CPU_ENV)
 

@@ -19,16 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from launch_utils import CPU_ENV, REPO  # noqa: E402  (tests/ is on sys.path: pytest.ini's pythonpath)
 
 MMLU_JSONL = REPO / "data" / "mmlu" / "test.jsonl"
 MAX_POSITIONS = 512
 SEED = 1234
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the hub from tests
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
@@ -156,16 +152,7 @@ def write_jsonl(path: Path, rows: list[dict] | list[str]) -> Path:
 
 
 def subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
-    )
-    return env
+    return {**os.environ, **CPU_ENV}
 
 
 def run_subprocess(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

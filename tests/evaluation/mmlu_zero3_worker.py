@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 from mmlu_testlib import MAX_POSITIONS, MMLU_JSONL, ZERO3_CASES  # noqa: E402
 
 from zerotrain.evaluation import evaluate, load_mmlu  # noqa: E402

@@ -16,19 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch_utils import CPU_ENV
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
-HPZ_ENV = {
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"),
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONUNBUFFERED": "1",
-}
 # ~3-4 min on an idle 2-core machine; generous because shared CI machines are often loaded.
 SUITE_TIMEOUT_S = 900
 
@@ -37,7 +29,7 @@ def torchrun(script: Path, *args: str, nproc: int = 4, timeout: float = SUITE_TI
              env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
            *args]
-    full_env = {**os.environ, **HPZ_ENV, **(env or {})}
+    full_env = {**os.environ, **CPU_ENV, **(env or {})}
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
