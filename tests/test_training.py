@@ -43,10 +43,11 @@ def uninterrupted(tmp_path_factory, shakespeare):
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory, shakespeare):
-    """The same run through train.py, stopped after step 8 (checkpoint, exit) and relaunched with the same command."""
+    """The same run through train.py, stopped after step 8 (checkpoint, exit) and relaunched with the same command;
+    with communication accounting on (it must not change training either)."""
     out = tmp_path_factory.mktemp("runs")
     args = [*COMMON, f"run.output_dir={out}", "run.name=resumed", f"data.train.0.path={shakespeare}",
-            "train.exit_interval=8"]
+            "train.exit_interval=8", "comm.accounting=true"]
     first = torchrun(4, "train.py", *args, timeout=900)
     after_first = losses(out / "resumed")
     second = torchrun(4, "train.py", *args, timeout=900)
@@ -91,6 +92,15 @@ def test_mmlu_hook_logs_scores_and_does_not_change_training(uninterrupted, resum
     assert all(0.0 <= r["mmlu/acc"] <= 1.0 and "mmlu/acc_macro" in r and "mmlu/stem" in r for r in mmlu)
     # The uninterrupted run evaluated MMLU twice, the resumed one never: the training losses are the same floats.
     assert losses(uninterrupted[0]) == losses(resumed[0])
+
+
+def test_communication_accounting_is_logged_per_step(resumed):
+    records = [json.loads(line) for line in (resumed[0] / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    # One host: every byte stays inside the node; the parameter all-gathers and gradient reduce-scatters are counted.
+    assert all(r["comm/inter_node_bytes"] == 0 and r["comm/intra_node_bytes"] > 0 for r in train)
+    assert all(r["comm/all_gather/intra_node_bytes"] > 0 and r["comm/reduce_scatter/intra_node_bytes"] > 0
+               for r in train)
 
 
 def test_resumed_run_continues_the_same_wandb_run(resumed):

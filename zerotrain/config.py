@@ -160,6 +160,13 @@ class MMLUConfig:
 
 
 @dataclass
+class CommConfig:
+    # Count the bytes of every collective, split intra-/inter-node by the real node layout (zerotrain.comm_accounting),
+    # logged per step as comm/*. Costs one small all-reduce per log interval.
+    accounting: bool = False
+
+
+@dataclass
 class ClusterConfig:
     name: str = "local"
     # Accelerator peak dense TFLOP/s used for MFU; 0 looks the device up in zerotrain.metrics.PEAK_TFLOPS.
@@ -182,6 +189,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mmlu: MMLUConfig = field(default_factory=MMLUConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 

@@ -79,6 +79,10 @@ class Trainer:
                                     wandb_run_id=self.state.wandb_run_id)
         self.state.wandb_run_id = self.logger.wandb_run_id or self.state.wandb_run_id
         self.peak_tflops = metrics.peak_tflops(cfg.train.precision, cfg.cluster.peak_tflops)
+        if cfg.comm.accounting:  # installed last, so start-up traffic (zero.Init, resume) is not counted
+            from zerotrain import comm_accounting
+
+            comm_accounting.install(self.layout)
 
     # ----------------------------------------------------------------------------------------------------------
     # Set-up helpers
@@ -259,6 +263,11 @@ class Trainer:
 
             out.update({f"hpz/{k}": v for k, v in hpz.counters().items()})
             hpz.reset_counters()
+        if self.cfg.comm.accounting:  # every rank reaches here: the snapshot is summed over ranks
+            from zerotrain import comm_accounting
+
+            snapshot = comm_accounting.snapshot_and_reset(all_ranks=True)
+            out.update(comm_accounting.metrics_record(snapshot, len(window)))
         return out
 
     def _evaluate(self) -> None:

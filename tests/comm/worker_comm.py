@@ -1,0 +1,82 @@
+"""Worker: the real trainer (``zerotrain.trainer.Trainer``) with communication accounting installed around it.
+
+Usage (under torchrun, any layout): ``worker_comm.py OUT.json VARIANTS key=value ...`` where VARIANTS is a
+comma-separated list of ``zero`` presets (``zero3_cpu,zero3_hpz_cpu``) trained one after the other in the same
+processes (one start-up for all: on 2 cores the start-up, not the steps, is what costs), and the rest is the
+train.py grammar, a recipe included; ``run.name`` gets the preset appended. For each variant it installs
+:mod:`zerotrain.comm_accounting` once the trainer is built (so ``zero.Init``'s initial broadcasts are not counted)
+and takes a job-wide snapshot (summed over ranks) after every optimizer step. Rank 0
+writes: the per-step snapshots, the layout, DeepSpeed's real hpZ group, and each parameter's numel as DeepSpeed
+holds it (``ds_numel``) with its partition sizes, for the test to check its own derivation against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from zerotrain import comm_accounting  # noqa: E402
+from zerotrain.config import parse_args  # noqa: E402
+from zerotrain.launch.layout import deepspeed_hpz_group_ranks, layout_summary  # noqa: E402
+from zerotrain.trainer import Trainer  # noqa: E402
+
+
+def run_variant(argv: list[str]) -> dict:
+    cfg = parse_args(argv)
+    trainer = Trainer(cfg)
+    comm_accounting.install(trainer.layout)
+    per_step: list[dict] = []
+    step_times: list[float] = []
+    original_step = trainer._train_step
+
+    def counted_step():
+        t0 = time.perf_counter()
+        result = original_step()
+        step_times.append(time.perf_counter() - t0)
+        per_step.append(comm_accounting.snapshot_and_reset(all_ranks=True))
+        return result
+
+    trainer._train_step = counted_step
+    try:
+        rc = trainer.fit()
+    finally:
+        comm_accounting.uninstall()
+    result = {
+        "rc": rc,
+        "layout": layout_summary(trainer.layout),
+        "deepspeed_hpz_group": deepspeed_hpz_group_ranks(),
+        "params": [
+            {"name": n, "ds_numel": int(p.ds_numel), "partition": int(p.ds_tensor.ds_numel),
+             "secondary": None if getattr(p, "ds_secondary_tensor", None) is None
+             else int(p.ds_secondary_tensor.ds_numel), "element_size": p.ds_tensor.element_size()}
+            for n, p in trainer.engine.module.named_parameters()
+        ],
+        "per_step": per_step,
+        "step_times": step_times,
+    }
+    trainer.engine.destroy()
+    return result
+
+
+def main(out_path: str, variants: str, argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    results = {}
+    for zero in variants.split(","):
+        name = next((a.split("=", 1)[1] for a in argv if a.startswith("run.name=")), "comm")
+        args = [a for a in argv if not a.startswith("run.name=")] + [f"zero={zero}", f"run.name={name}-{zero}"]
+        results[zero] = run_variant(args)
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(out_path + ".tmp", out_path)
+    return max(r["rc"] for r in results.values())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
