@@ -29,13 +29,16 @@ def main() -> int:
     run_dir, steps, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     cfg = config.load(run_dir / "config.yaml")
     ds = json.loads((run_dir / "deepspeed_config.json").read_text())
-    world = ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])
+    global_batch = ds["train_batch_size"]  # micro-batch x accumulation x ranks, as in our run
+    world = global_batch // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])
     if ds["zero_optimization"].get("zero_hpz_partition_size", 1) > 1:
         from zerotrain import hpz
 
         hpz.install(mode=cfg.hpz.mode)
-    for key in ("seed", "zero_allow_untested_optimizer"):
-        ds.pop(key, None)
+    # Let the Trainer fill in the batch keys ("auto"): it derives them from its own arguments, set to the same values.
+    ds.pop("seed", None)
+    ds.pop("train_batch_size", None)
+    ds["train_micro_batch_size_per_gpu"] = ds["gradient_accumulation_steps"] = "auto"
     args = TrainingArguments(
         output_dir=str(run_dir / "hf_trainer"), max_steps=steps, per_device_train_batch_size=cfg.train.micro_batch_size,
         gradient_accumulation_steps=cfg.train.grad_accum, learning_rate=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
@@ -49,14 +52,15 @@ def main() -> int:
     model = MODEL_CLASSES[cfg.model.family]._from_config(hf_config(cfg.model))
     loader = build_loader([(s.path, s.weight) for s in cfg.data.train], "train", cfg.train.seq_len, 1,
                           seed=cfg.run.seed, vocab_size=cfg.model.vocab_size)
-    samples = [{k: v[0] for k, v in next(loader).items()} for _ in range(steps * ds["train_batch_size"])]
+    samples = [{k: v[0] for k, v in next(loader).items()} for _ in range(steps * global_batch)]
     timer = StepTimer()
     Trainer(model=model, args=args, train_dataset=samples, callbacks=[timer]).train()
     if torch.distributed.get_rank() == 0:
         steady = timer.times[2:]  # the first steps include start-up work
         per_step = (steady[-1] - steady[0]) / (len(steady) - 1)
-        tokens = ds["train_batch_size"] * cfg.train.seq_len
-        out.write_text(json.dumps({"step_time_s": per_step, "tokens_per_s": tokens / per_step, "world": world}))
+        tokens = global_batch * cfg.train.seq_len
+        out.write_text(json.dumps({"step_time_s": per_step, "tokens_per_s": tokens / per_step, "world": world,
+                                   "torch_world": torch.distributed.get_world_size()}))
     return 0
 
 

@@ -61,6 +61,8 @@ def main() -> None:
     torchrun(args.nproc, "benchmarks/hf_trainer_baseline.py", str(work / "ours"), str(args.steps),
              str(work / "hf.json"))
     hf = json.loads((work / "hf.json").read_text())
+    if hf["torch_world"] != args.nproc:
+        sys.exit(f"the HF Trainer ran on {hf['torch_world']} ranks, not {args.nproc}: not comparable")
 
     print(f"\n{args.recipe}, {args.nproc} CPU processes, ZeRO-3 hpZ {args.hpz}, {args.steps} steps "
           f"(steady state, first window excluded)\n")
