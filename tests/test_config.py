@@ -6,7 +6,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from launch_utils import PYTHON, REPO, run_command
+from launch_utils import PYTHON, run_command
 from zerotrain import config
 from zerotrain.config import ConfigError, ModelConfig
 from zerotrain.models import count_parameters

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch_utils import PYTHON, REPO, run_command, torchrun
+from launch_utils import PYTHON, run_command, torchrun
 
 STEPS = 16
 COMMON = ["recipe=tiny_llama", f"train.steps={STEPS}", "train.log_interval=1", "train.eval_interval=8",

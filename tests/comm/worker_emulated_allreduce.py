@@ -14,7 +14,6 @@ Usage: worker_emulated_allreduce.py DIR
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from datetime import timedelta

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-import pytest
 
 from hpz_launch import stage
 

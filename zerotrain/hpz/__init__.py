@@ -33,7 +33,7 @@ import functools
 import logging
 import threading
 import warnings
-from typing import Collection, Dict, Optional
+from typing import Collection, Dict
 
 from . import counting as _counters
 from . import ordering
