@@ -13,20 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
+from launch_utils import CPU_ENV as COMM_ENV  # the one CPU environment of the test suite
+from launch_utils import REPO
 
-COMM_ENV = {
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"),
-    "WANDB_MODE": "offline",
-    "WANDB_SILENT": "true",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONUNBUFFERED": "1",
-}
+HERE = Path(__file__).resolve().parent
+
 
 
 def free_port() -> int:
