@@ -71,6 +71,8 @@ def test_overrides_reach_the_config_with_their_types():
         ("zero.stage=7", "zero.stage"),
         ("recipe=tiny_lama", "Did you mean 'tiny_llama'?"),
         ("train.seq_len=100000", "exceeds model.max_seq_len"),
+        ("model.initializer_range=2.0", "initializer_range"),
+        ("model.num_kv_heads=3", "not divisible by model.num_kv_heads=3"),
     ],
 )
 def test_bad_overrides_are_named_with_a_suggestion(override, expected):

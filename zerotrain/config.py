@@ -385,6 +385,23 @@ def validate(cfg: DictConfig) -> None:
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     validate_zero(OmegaConf.to_container(cfg.zero, resolve=True))
+    validate_model(OmegaConf.to_object(cfg.model))
+
+
+def validate_model(model: ModelConfig) -> None:
+    """Build the Hugging Face config of the shape: transformers' own checks (ranges, head counts) run here."""
+    from zerotrain.models import hf_config  # deferred: importing transformers is slow
+
+    if model.hidden_size % model.num_heads:
+        raise ConfigError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}")
+    if model.num_kv_heads and model.num_heads % model.num_kv_heads:
+        raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by "
+                          f"model.num_kv_heads={model.num_kv_heads} (grouped-query attention)")
+    try:
+        hf_config(model)
+    except Exception as e:  # transformers raises its own validation error types
+        detail = " ".join(str(e).split())
+        raise ConfigError(f"invalid model section for {model.family}: {detail}") from None
 
 
 def validate_zero(zero: dict) -> None:
