@@ -7,6 +7,7 @@ results several tests read.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -187,3 +188,24 @@ def test_standalone_mmlu_scores_a_training_run_directory(uninterrupted, tmp_path
     hook = [r for r in records if "mmlu/acc" in r][-1]
     assert standalone["micro"]["total"] == hook["mmlu/questions"]
     assert standalone["micro"]["accuracy"] == pytest.approx(hook["mmlu/acc"])
+
+
+def test_sft_fine_tuning_starts_from_a_hugging_face_checkpoint(uninterrupted, shakespeare, tmp_path):
+    """model.pretrained_path: the export of the pretraining run is loaded under zero.Init (2 ranks, hpZ 2) and
+    fine-tuned on prompt/response and chat data with the loss on responses only."""
+    rows = [{"prompt": "Who wrote Hamlet?", "response": "William Shakespeare, who wrote many plays."},
+            {"messages": [{"role": "user", "content": "Say a line of verse."},
+                          {"role": "assistant", "content": "To be, or not to be: that is the question."}]}]
+    source = tmp_path / "sft.jsonl"
+    source.write_text("".join(json.dumps(rows[i % 2]) + "\n" for i in range(32)))
+    run_command([PYTHON, "data/prepare.py", f"input={source}", f"output={tmp_path / 'sft'}", "kind=sft",
+                 f"tokenizer={shakespeare}", "valid_fraction=0", "progress=false"], timeout=120)
+    torchrun(2, "train.py", "recipe=tiny_llama", "data.kind=sft", f"data.train.0.path={tmp_path / 'sft'}",
+             f"model.pretrained_path={uninterrupted[0] / 'hf'}", "train.steps=3", "train.log_interval=1",
+             "train.seq_len=64", "train.micro_batch_size=2", "optim.lr=1e-4", "schedule.warmup_steps=0",
+             "train.eval_interval=0", "wandb.enabled=false", f"run.output_dir={tmp_path}", "run.name=sft",
+             timeout=600)
+    curve = losses(tmp_path / "sft")
+    assert sorted(curve) == [1, 2, 3]
+    # A randomly initialised model starts at ln(vocab) = ln(2048) = 7.62; the pretrained weights start well below.
+    assert all(math.isfinite(v) for v in curve.values()) and curve[1] < 7.2, curve
