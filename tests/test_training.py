@@ -209,3 +209,25 @@ def test_sft_fine_tuning_starts_from_a_hugging_face_checkpoint(uninterrupted, sh
     assert sorted(curve) == [1, 2, 3]
     # A randomly initialised model starts at ln(vocab) = ln(2048) = 7.62; the pretrained weights start well below.
     assert all(math.isfinite(v) for v in curve.values()) and curve[1] < 7.2, curve
+
+
+def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_curve(uninterrupted, shakespeare, tmp_path):
+    """A checkpoint with a NaN weight makes every loss NaN: the default policy logs the step, stops with a message
+    naming it and exits 3 without saving; nan_policy=continue records the diverged curve to the end."""
+    from safetensors.torch import load_file, save_file
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(uninterrupted[0] / "hf", poisoned)
+    weights = load_file(poisoned / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
+    args = ["recipe=tiny_llama", "zero=zero3_cpu", f"data.train.0.path={shakespeare}",
+            f"model.pretrained_path={poisoned}", "train.steps=3", "train.log_interval=10", "train.eval_interval=0", "wandb.enabled=false",
+            f"run.output_dir={tmp_path}"]
+    stopped = run_command([PYTHON, "train.py", *args, "run.name=stop"], check=False, timeout=300)
+    assert stopped.returncode == 3
+    assert "non-finite loss (nan) at step 1" in stopped.stdout + stopped.stderr
+    assert math.isnan(losses(tmp_path / "stop")[1])  # logged although step 1 is not a logging step
+    assert not (tmp_path / "stop" / "checkpoints" / "latest").exists()
+    run_command([PYTHON, "train.py", *args, "run.name=continue", "train.nan_policy=continue"], timeout=300)
+    assert sorted(losses(tmp_path / "continue")) == [1, 2, 3]

@@ -393,7 +393,9 @@ def validate_model(model: ModelConfig) -> None:
     from zerotrain.models import hf_config  # deferred: importing transformers is slow
 
     if model.hidden_size % model.num_heads:
-        raise ConfigError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}")
+        raise ConfigError(
+            f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}"
+        )
     if model.num_kv_heads and model.num_heads % model.num_kv_heads:
         raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by "
                           f"model.num_kv_heads={model.num_kv_heads} (grouped-query attention)")
