@@ -222,8 +222,8 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_curve(uninterrup
     weights["model.norm.weight"][0] = float("nan")
     save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
     args = ["recipe=tiny_llama", "zero=zero3_cpu", f"data.train.0.path={shakespeare}",
-            f"model.pretrained_path={poisoned}", "train.steps=3", "train.log_interval=10", "train.eval_interval=0", "wandb.enabled=false",
-            f"run.output_dir={tmp_path}"]
+            f"model.pretrained_path={poisoned}", "train.steps=3", "train.log_interval=10", "train.eval_interval=0",
+            "wandb.enabled=false", f"run.output_dir={tmp_path}"]
     stopped = run_command([PYTHON, "train.py", *args, "run.name=stop"], check=False, timeout=300)
     assert stopped.returncode == 3
     assert "non-finite loss (nan) at step 1" in stopped.stdout + stopped.stderr
