@@ -2,7 +2,7 @@
 
     python train.py recipe=tiny_llama                                  # one process
     torchrun --nproc_per_node 4 train.py recipe=tiny_llama train.steps=50 hpz.mode=sync
-    sbatch -N 2 --gpus-per-node 8 slurm/train.sbatch llama2_7b_finetune optim.lr=1e-5
+    sbatch -N 2 --gpus-per-node 8 --ntasks-per-node 8 slurm/train.sbatch paper_llama2_7b optim.lr=1e-5
 
 Arguments are ``key=value``: ``recipe=<name>`` picks recipes/<name>.yaml, ``<group>=<name>`` swaps a fragment
 from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted keys override single values.

@@ -50,11 +50,13 @@ def test_llama2_70b_uses_grouped_query_attention():
 
 def test_overrides_reach_the_config_with_their_types():
     cfg = config.compose("tiny_llama", ["train.steps=7", "optim.lr=1e-4", "optim.betas=[0.9,0.99]",
-                                        "zero.zero_hpz_partition_size=4", "hpz.mode=sync", "model=falcon_tiny"])
+                                        "zero.zero_hpz_partition_size=4", "hpz.mode=sync", "model=falcon_tiny",
+                                        "cluster.env.NCCL_SOCKET_IFNAME=ens1f0"])
     assert cfg.train.steps == 7 and cfg.optim.lr == pytest.approx(1e-4)
     assert list(cfg.optim.betas) == [0.9, 0.99]
     assert cfg.zero.zero_hpz_partition_size == 4 and cfg.hpz.mode == "sync"
     assert cfg.model.family == "falcon"
+    assert cfg.cluster.env.NCCL_SOCKET_IFNAME == "ens1f0"  # free-form mappings take new keys
 
 
 @pytest.mark.parametrize(

@@ -320,12 +320,15 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
     if isinstance(parent, ListConfig):
         if not leaf.isdigit() or int(leaf) >= len(parent):
             raise ConfigError(f"{origin}: '{parent_key}' is a list of {len(parent)} item(s); '{leaf}' is not an index")
-    elif not isinstance(parent, DictConfig) or (leaf not in parent and parent_key != "zero"):
+    # Free-form mappings (zero: DeepSpeed's block, checked by DeepSpeed; cluster.env) take new keys; schema
+    # sections do not.
+    free_form = isinstance(parent, DictConfig) and OmegaConf.get_type(parent) is dict
+    if not isinstance(parent, DictConfig) or (leaf not in parent and not free_form):
         raise ConfigError(f"{origin}: {_unknown_key_message(cfg, key)}")
     try:
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value)
-        OmegaConf.update(cfg, key, value, merge=True, force_add=parent_key == "zero")
+        OmegaConf.update(cfg, key, value, merge=True, force_add=free_form)
     except OmegaConfBaseException as e:
         message = str(getattr(e, "msg", e)).splitlines()[0]
         raise ConfigError(f"{origin}: bad value for '{key}': {message}") from None
