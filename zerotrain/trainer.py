@@ -273,16 +273,14 @@ class Trainer:
     def _evaluate(self) -> None:
         """Validation loss over the first ``eval_batches`` of the valid split: the same batches every time, on every
         rank the same number of forwards (ZeRO-3 gathers parameters collectively)."""
-        rng = distributed.rng_state()
-        self.engine.eval()
+        from zerotrain.evaluation import isolated_evaluation  # eval mode, no_grad, RNG states put back
+
         total = torch.zeros(1, dtype=torch.float32, device=self.device)
-        with torch.no_grad():
+        with isolated_evaluation(self.engine):
             for batch in self.valid_loader:
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 total += self.engine(**batch).loss.float()
         dist.all_reduce(total)
-        self.engine.train()
-        distributed.set_rng_state(rng)
         val = total.item() / (self.cfg.train.eval_batches * self.dp_size)
         self.logger.log_event(self.state.step, {"val/loss": val, "val/ppl": math.exp(min(val, 50.0))},
                               f"validation loss {val:.4f}")
