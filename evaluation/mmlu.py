@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from zerotrain.data.tokenizer import TransformersTokenizer  # noqa: E402
 from zerotrain.evaluation import (  # noqa: E402
     EvaluationError,
-    HFTokenizerAdapter,
     evaluate,
     format_table,
     load_hf_export,
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%d questions, %d subjects, %d-shot, max_length %d, batch %d",
                     len(data.questions), len(data.subjects), args.shots, max_length, args.batch_size)
         add_bos = {"auto": None, "yes": True, "no": False}[args.bos]
-        result = evaluate(model, HFTokenizerAdapter(tokenizer, add_bos=add_bos), data,
+        result = evaluate(model, TransformersTokenizer(tokenizer, add_bos=add_bos), data,
                           batch_size=args.batch_size, max_length=max_length, device=device,
                           progress=True)
     except EvaluationError as e:

@@ -7,7 +7,9 @@ Public API (see ``zerotrain.evaluation.mmlu`` for the walk-through):
 * ``evaluate(model, tokenizer, data_or_prepared, batch_size=..., max_length=...,
   device=..., group=None)`` -> ``MMLUResult`` (call on every data-parallel rank)
 * ``format_table(result)``, ``result.to_dict()``, ``result.to_log_dict()``
-* ``EvalTokenizer`` protocol and ``HFTokenizerAdapter``
+
+``tokenizer`` is a ``transformers`` tokenizer or a ``zerotrain.data.tokenizer.Tokenizer`` (the interface the data
+pipeline uses too; ``TransformersTokenizer`` wraps a transformers one, e.g. to choose whether BOS is prepended).
 """
 
 from zerotrain.evaluation.checkpoint import load_hf_export, model_max_length, resolve_checkpoint
@@ -26,14 +28,11 @@ from zerotrain.evaluation.mmlu_data import MMLUData, Question, load_mmlu
 from zerotrain.evaluation.mmlu_prompt import build_prompt
 from zerotrain.evaluation.mmlu_report import Accuracy, MMLUResult, QuestionResult, format_table
 from zerotrain.evaluation.mmlu_subjects import CATEGORIES, SUBJECT_CATEGORIES, SUBJECTS
-from zerotrain.evaluation.tokenization import EvalTokenizer, HFTokenizerAdapter, as_eval_tokenizer
 
 __all__ = [
     "Accuracy",
     "CATEGORIES",
-    "EvalTokenizer",
     "EvaluationError",
-    "HFTokenizerAdapter",
     "MMLUData",
     "MMLUDataError",
     "MMLUResult",
@@ -47,7 +46,6 @@ __all__ = [
     "SUBJECTS",
     "SUBJECT_CATEGORIES",
     "UnknownSubjectError",
-    "as_eval_tokenizer",
     "build_prompt",
     "evaluate",
     "format_table",

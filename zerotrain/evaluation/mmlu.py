@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerotrain.data.tokenizer import as_tokenizer
 from zerotrain.evaluation.isolation import isolated_evaluation
 from zerotrain.evaluation.loglikelihood import Request, score_requests
 from zerotrain.evaluation.mmlu_data import MMLUData
@@ -33,7 +34,6 @@ from zerotrain.evaluation.mmlu_prompt import (
     encode_question,
 )
 from zerotrain.evaluation.mmlu_report import MMLUResult, QuestionResult, aggregate, predict
-from zerotrain.evaluation.tokenization import as_eval_tokenizer
 
 
 @dataclass
@@ -55,13 +55,13 @@ def prepare_mmlu(
 ) -> PreparedMMLU:
     """Build and tokenise every prompt, dropping few-shot examples where needed.
 
-    ``tokenizer``: a transformers tokenizer or an ``EvalTokenizer``.
+    ``tokenizer``: a transformers tokenizer or a ``zerotrain.data.tokenizer.Tokenizer``.
     ``on_too_long``: "skip" (count in the report) or "error" (PromptTooLongError)
     for questions that do not fit ``max_length`` tokens even zero-shot.
     """
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
-    tok = as_eval_tokenizer(tokenizer)
+    tok = as_tokenizer(tokenizer)
     encoded, skipped = [], []
     for index, question in enumerate(data.questions):
         item = encode_question(
