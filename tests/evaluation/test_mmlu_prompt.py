@@ -16,7 +16,7 @@ from zerotrain.evaluation import (
     prepare_mmlu,
 )
 from zerotrain.evaluation.loglikelihood import encode_pair
-from zerotrain.evaluation.mmlu_prompt import encode_question
+from zerotrain.evaluation.mmlu.prompt import encode_question
 
 
 def q(text: str, answer: int = 0, subject: str = "college_physics") -> Question:

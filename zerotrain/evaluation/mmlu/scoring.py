@@ -1,14 +1,5 @@
-"""MMLU evaluation of a causal language model: the entry points.
-
-Typical use (standalone or from the trainer, on one or many ranks)::
-
-    from zerotrain.evaluation import load_mmlu, prepare_mmlu, evaluate
-
-    data = load_mmlu("cais/mmlu", limit_per_subject=20)          # once
-    prepared = prepare_mmlu(data, tokenizer, max_length=4096)   # once (optional)
-    result = evaluate(engine.module, tokenizer, prepared,
-                      batch_size=8, max_length=4096, device=engine.device)
-    log(result.to_log_dict())                                   # mmlu/acc, ...
+"""Scoring MMLU with a causal language model: ``prepare_mmlu`` tokenises the questions once (few-shot examples
+dropped to fit the context), ``evaluate`` scores them on every rank and aggregates the result.
 
 ``evaluate`` must be called on every rank of the data-parallel group when
 torch.distributed is initialised (ZeRO-3 forwards are collective); every rank
@@ -26,14 +17,14 @@ import torch.distributed as dist
 from zerotrain.data.tokenizer import as_tokenizer
 from zerotrain.evaluation.isolation import isolated_evaluation
 from zerotrain.evaluation.loglikelihood import Request, score_requests
-from zerotrain.evaluation.mmlu_data import MMLUData
-from zerotrain.evaluation.mmlu_prompt import (
+from zerotrain.evaluation.mmlu.data import MMLUData
+from zerotrain.evaluation.mmlu.prompt import (
     EncodedQuestion,
     SkippedQuestion,
     TooLongPolicy,
     encode_question,
 )
-from zerotrain.evaluation.mmlu_report import MMLUResult, QuestionResult, aggregate, predict
+from zerotrain.evaluation.mmlu.report import MMLUResult, QuestionResult, aggregate, predict
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Literal
 from zerotrain.data.tokenizer import Tokenizer
 from zerotrain.evaluation.errors import PromptTooLongError
 from zerotrain.evaluation.loglikelihood import encode_choices, encode_context
-from zerotrain.evaluation.mmlu_data import LETTERS, Question
-from zerotrain.evaluation.mmlu_subjects import subject_description
+from zerotrain.evaluation.mmlu.data import LETTERS, Question
+from zerotrain.evaluation.mmlu.subjects import subject_description
 
 CONTINUATIONS: tuple[str, ...] = tuple(f" {letter}" for letter in LETTERS)
 
