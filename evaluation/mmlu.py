@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Score a Hugging Face export of a checkpoint on MMLU.
+"""Score a checkpoint on MMLU: a Hugging Face export, or a training run directory (exported once).
 
-    python evaluation/mmlu.py --checkpoint runs/x/hf_export --data cais/mmlu --output mmlu.json
-    torchrun --nproc_per_node 8 evaluation/mmlu.py --checkpoint ... --data data/mmlu/test.jsonl
+    python evaluation/mmlu.py --checkpoint runs/tiny-llama --data data/mmlu/test.jsonl --output mmlu.json
+    torchrun --nproc_per_node 8 evaluation/mmlu.py --checkpoint /models/Llama-2-7b-hf --data cais/mmlu
 
 Under torchrun every rank loads the whole model and scores a share of the
 questions; the result is identical to a one-process run. Rank 0 writes the JSON
@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from zerotrain.data.tokenizer import TransformersTokenizer  # noqa: E402
 from zerotrain.evaluation import (  # noqa: E402
     EvaluationError,
-    HFTokenizerAdapter,
     evaluate,
     format_table,
     load_hf_export,
@@ -39,7 +39,9 @@ DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32":
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="HF export dir (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--checkpoint", required=True,
+                   help="HF export dir (config.json, *.safetensors, tokenizer), or a zerotrain run or checkpoint "
+                        "dir (its checkpoint is exported once, into <checkpoint>/hf)")
     p.add_argument("--data", default="cais/mmlu",
                    help="cais/mmlu (hub), a .jsonl/.parquet file, a Hendrycks CSV dir, or a save_to_disk dir")
     p.add_argument("--subjects", nargs="+", default=None, help="subjects to score (default: all)")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%d questions, %d subjects, %d-shot, max_length %d, batch %d",
                     len(data.questions), len(data.subjects), args.shots, max_length, args.batch_size)
         add_bos = {"auto": None, "yes": True, "no": False}[args.bos]
-        result = evaluate(model, HFTokenizerAdapter(tokenizer, add_bos=add_bos), data,
+        result = evaluate(model, TransformersTokenizer(tokenizer, add_bos=add_bos), data,
                           batch_size=args.batch_size, max_length=max_length, device=device,
                           progress=True)
     except EvaluationError as e:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from zerotrain.data.errors import DataError
-from zerotrain.data.tokenizer import load_tokenizer, train_sentencepiece
+from zerotrain.data.tokenizer import TransformersTokenizer, as_tokenizer, load_tokenizer, train_sentencepiece
 
 # Text that exercises what a tokenizer can get wrong: unicode outside the training text, runs of whitespace, tabs,
 # newlines, digits, leading/trailing spaces, and strings that look like special tokens.
@@ -112,6 +112,26 @@ def test_save_pretrained_loads_in_transformers_with_the_same_ids(llama2_like, fa
             assert theirs.decode(ours.encode(text)) == text
         if name == "llama":
             assert theirs("Hello")["input_ids"][0] == 1  # Llama-2 prepends BOS at inference
+
+
+def test_transformers_tokenizer_of_our_export_is_the_same_tokenizer(llama2_like, falcon_like, tmp_path):
+    """The evaluator scores a Hugging Face checkpoint through TransformersTokenizer, the trainer through our loader:
+    on our export the two agree on special ids, vocabulary, ids and offsets."""
+    from transformers import AutoTokenizer
+
+    # Special-token strings in text are special for transformers, text for us (see the module docstring).
+    texts = [t for t in TRICKY_TEXTS if t and not t[0].isspace() and "</s>" not in t]
+    for name, source in (("llama", llama2_like), ("falcon", falcon_like)):
+        ours = load_tokenizer(source)
+        ours.save_pretrained(tmp_path / name)
+        theirs = as_tokenizer(AutoTokenizer.from_pretrained(str(tmp_path / name)))
+        assert isinstance(theirs, TransformersTokenizer) and as_tokenizer(ours) is ours
+        assert (theirs.bos_id, theirs.eos_id, theirs.pad_id, theirs.vocab_size) == \
+            (ours.bos_id, ours.eos_id, ours.pad_id, ours.vocab_size), name
+        for text in texts:
+            assert theirs.encode_with_offsets(text) == ours.encode_with_offsets(text), (name, text)
+            assert theirs.decode(theirs.encode(text)) == text
+        assert theirs.encode_batch(texts) == ours.encode_batch(texts)
 
 
 @pytest.mark.skipif(not os.environ.get("ZEROTRAIN_REAL_LLAMA2_TOKENIZER"), reason="real Llama-2 file not given")

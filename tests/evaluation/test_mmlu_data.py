@@ -16,7 +16,7 @@ from zerotrain.evaluation import (
     UnknownSubjectError,
     load_mmlu,
 )
-from zerotrain.evaluation import mmlu_data
+from zerotrain.evaluation.mmlu import data as mmlu_data
 
 SUBJECTS = ("anatomy", "marketing")
 
@@ -42,7 +42,7 @@ def dev_rows(subjects=SUBJECTS, n=5) -> list[dict]:
 
 
 def test_repo_copy_is_the_full_test_split_and_fallback_holds_out_first_k(caplog):
-    with caplog.at_level(logging.WARNING, logger="zerotrain.evaluation.mmlu_data"):
+    with caplog.at_level(logging.WARNING, logger="zerotrain.evaluation.mmlu.data"):
         data = load_mmlu(MMLU_JSONL, shots=5)
     assert len(data.subjects) == 57
     assert data.fewshot_policy == "holdout"

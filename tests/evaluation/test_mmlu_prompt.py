@@ -6,31 +6,44 @@ import pytest
 import torch
 from mmlu_testlib import load_tiny
 
+from zerotrain.data.tokenizer import Tokenizer, TransformersTokenizer, as_tokenizer
 from zerotrain.evaluation import (
-    HFTokenizerAdapter,
     MMLUData,
     PromptTooLongError,
     Question,
-    as_eval_tokenizer,
     build_prompt,
     evaluate,
     prepare_mmlu,
 )
-from zerotrain.evaluation.mmlu_prompt import encode_question
-from zerotrain.evaluation.tokenization import encode_pair
+from zerotrain.evaluation.loglikelihood import encode_pair
+from zerotrain.evaluation.mmlu.prompt import encode_question
 
 
 def q(text: str, answer: int = 0, subject: str = "college_physics") -> Question:
     return Question(subject, text, ("one", "two", "three", "four"), answer, "mem:1")
 
 
-class CharTokenizer:
-    """EvalTokenizer with one token per character, so lengths are easy to reason about."""
+class CharTokenizer(Tokenizer):
+    """One token per character (its code point) and no BOS, so lengths are easy to reason about."""
 
-    bos_id = None
+    kind = "characters"
+    vocab_size = 0x110000
+    bos_id = eos_id = pad_id = None
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        return self.encode(text), list(range(len(text)))
+
+    def decode(self, ids) -> str:
+        return "".join(map(chr, ids))
+
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def save_pretrained(self, out_dir):
+        raise NotImplementedError("a test tokenizer without files")
 
 
 def test_prompt_format_is_hendrycks_lm_eval():
@@ -44,23 +57,23 @@ def test_prompt_format_is_hendrycks_lm_eval():
 
 def test_encode_pair_splits_like_lm_eval():
     _, hf = load_tiny()
-    tok = HFTokenizerAdapter(hf)
+    tok = TransformersTokenizer(hf)
     assert tok.bos_id == hf.bos_token_id  # this tokenizer adds <s> by default, like Llama's
     ctx, cont = encode_pair(tok, "x\nAnswer:", " D")
     assert ctx == hf("x\nAnswer:")["input_ids"]
     assert hf.convert_ids_to_tokens(cont) == ["▁D"]  # the sentencepiece-style space token
     # A trailing space in the context moves to the continuation.
     assert encode_pair(tok, "x\nAnswer: ", "D") == (ctx, cont)
-    assert HFTokenizerAdapter(hf, add_bos=False).bos_id is None
+    assert TransformersTokenizer(hf, add_bos=False).bos_id is None
 
 
 def test_tokenizer_protocol():
     custom = CharTokenizer()
-    assert as_eval_tokenizer(custom) is custom
+    assert as_tokenizer(custom) is custom
     _, hf = load_tiny()
-    assert isinstance(as_eval_tokenizer(hf), HFTokenizerAdapter)
-    with pytest.raises(TypeError, match="EvalTokenizer"):
-        as_eval_tokenizer(object())
+    assert isinstance(as_tokenizer(hf), TransformersTokenizer)
+    with pytest.raises(TypeError, match="zerotrain.data.tokenizer.Tokenizer"):
+        as_tokenizer(object())
 
 
 def test_fewshot_examples_are_dropped_from_the_end_until_the_prompt_fits():

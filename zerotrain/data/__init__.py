@@ -2,7 +2,8 @@
 
 Modules, one job each:
 
-* :mod:`~zerotrain.data.tokenizer` — load a Llama-2 ``tokenizer.model`` / Falcon ``tokenizer.json``, or train one.
+* :mod:`~zerotrain.data.tokenizer` — the tokenizer interface (also the evaluator's): load a Llama-2 ``tokenizer.model``
+  / Falcon ``tokenizer.json``, train one, or wrap a ``transformers`` tokenizer.
 * :mod:`~zerotrain.data.sources` — read .txt / .jsonl / .parquet files or a Hugging Face dataset as records.
 * :mod:`~zerotrain.data.sft` — chat templates and loss masks for supervised fine-tuning.
 * :mod:`~zerotrain.data.shards` — the on-disk format: shard writer, manifest, memory-mapped reader.

@@ -1,27 +1,34 @@
-"""Tokenizers: load a Llama-2 ``tokenizer.model`` or a Falcon ``tokenizer.json``, or train a Llama-2-style one.
+"""Tokenizers: the one interface the data pipeline, the trainer and the evaluator use, and its implementations.
 
-The rest of the code sees one small interface, whatever the file behind it::
+Whatever is behind it, a tokenizer looks the same::
 
     tok = load_tokenizer("path/to/tokenizer.model")   # or tokenizer.json, a HF model dir, a prepared data dir
     ids = tok.encode("Hello world")                     # list[int]; never adds BOS/EOS
     text = tok.decode(ids)                              # exact inverse for plain text (byte fallback / byte-level)
     tok.bos_id, tok.eos_id, tok.pad_id                  # int, or None where the tokenizer has no such token
-    tok.vocab_size, tok.kind                            # kind: "sentencepiece" | "tokenizer_json"
+    tok.vocab_size, tok.kind                            # kind: "sentencepiece" | "tokenizer_json" | "transformers"
     tok.save_pretrained(out_dir)                        # files transformers.AutoTokenizer.from_pretrained loads
 
-Kinds:
+``bos_id`` is the token put in front of every document (data preparation) and every evaluation context (the MMLU
+evaluator), or None where the tokenizer puts none there.
+
+Implementations:
 
 * ``sentencepiece``: a sentencepiece model file (Llama-2's ``tokenizer.model``, or one trained here by
   :func:`train_sentencepiece` with Llama-2's published trainer settings: BPE, byte fallback, split digits, identity
   normalisation, ``<unk>``=0 ``<s>``=1 ``</s>``=2). ``save_pretrained`` writes the model verbatim plus a
-  ``tokenizer_config.json`` naming ``LlamaTokenizer``; transformers converts it when loading.
+  ``tokenizer_config.json`` naming ``LlamaTokenizer``; transformers converts it when loading (which needs the
+  ``sentencepiece`` package).
 * ``tokenizer_json``: a Hugging Face ``tokenizers`` file (Falcon's byte-level BPE). The file has no notion of BOS/EOS,
   so they come from a ``tokenizer_config.json``/``special_tokens_map.json`` next to it, else from well-known names
   (``<|endoftext|>`` for Falcon).
+* ``transformers``: :class:`TransformersTokenizer` wraps a ``transformers`` tokenizer, e.g. the one of a Hugging Face
+  checkpoint being evaluated (:func:`as_tokenizer` wraps one and passes a :class:`Tokenizer` through).
 
-Text is always encoded literally: a string such as ``</s>`` inside a document is text, not the EOS token, so data
-cannot inject control tokens. ``load_tokenizer`` on a directory prefers ``tokenizer.model`` over ``tokenizer.json``
-(a Llama-2 HF directory has both; the sentencepiece model is the original).
+Text is encoded literally by the two file tokenizers: a string such as ``</s>`` inside a document is text, not the
+EOS token, so data cannot inject control tokens (a ``transformers`` tokenizer reads such strings as special tokens,
+as transformers and lm-evaluation-harness do). ``load_tokenizer`` on a directory prefers ``tokenizer.model`` over
+``tokenizer.json`` (a Llama-2 HF directory has both; the sentencepiece model is the original).
 """
 
 from __future__ import annotations
@@ -31,14 +38,16 @@ import io
 import json
 import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Any
 
 from zerotrain.data.errors import DataError
 
 SENTENCEPIECE = "sentencepiece"
 TOKENIZER_JSON = "tokenizer_json"
-KINDS = (SENTENCEPIECE, TOKENIZER_JSON)
+TRANSFORMERS = "transformers"
+KINDS = (SENTENCEPIECE, TOKENIZER_JSON, TRANSFORMERS)
 
 # Where a prepared data set keeps its copy of the tokenizer (see zerotrain.data.prepare).
 DATASET_TOKENIZER_DIR = "tokenizer"
@@ -90,11 +99,9 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 class Tokenizer(ABC):
-    """The interface the data pipeline and the trainer use (see the module docstring)."""
+    """Text <-> token ids, as the data pipeline, the trainer and the evaluator use them (see the module docstring)."""
 
     kind: str
-    filename: str  # the name transformers (and load_tokenizer) look for in a directory
-    path: Path  # the file that defines the tokenizer; copied verbatim by save_pretrained
 
     @property
     @abstractmethod
@@ -102,23 +109,24 @@ class Tokenizer(ABC):
 
     @property
     @abstractmethod
-    def bos_id(self) -> Optional[int]: ...
+    def bos_id(self) -> int | None:
+        """The token put in front of every document / evaluation context, or None."""
 
     @property
     @abstractmethod
-    def eos_id(self) -> Optional[int]: ...
+    def eos_id(self) -> int | None: ...
 
     @property
     @abstractmethod
-    def pad_id(self) -> Optional[int]: ...
+    def pad_id(self) -> int | None: ...
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without BOS/EOS."""
 
-    @abstractmethod
     def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         """``[encode(t) for t in texts]``, possibly in parallel; the result never depends on ``num_threads``."""
+        return [self.encode(text) for text in texts]
 
     @abstractmethod
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
@@ -131,21 +139,28 @@ class Tokenizer(ABC):
     def token_text(self, token_id: int) -> str:
         """The text of one (special) token, e.g. ``</s>``."""
 
+    def describe(self) -> dict:
+        """What a manifest records about the tokenizer."""
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "bos_id": self.bos_id, "eos_id": self.eos_id,
+                "pad_id": self.pad_id}
+
+    @abstractmethod
+    def save_pretrained(self, out_dir: str | Path) -> list[Path]:
+        """Write the files ``transformers.AutoTokenizer.from_pretrained(out_dir)`` loads; returns their paths."""
+
+
+class FileTokenizer(Tokenizer):
+    """A tokenizer defined by one file (``tokenizer.model`` or ``tokenizer.json``), which ``save_pretrained`` copies."""
+
+    filename: str  # the name transformers (and load_tokenizer) look for in a directory
+    path: Path  # the file that defines the tokenizer
+
     @property
     def sha256(self) -> str:
         return file_sha256(self.path)
 
     def describe(self) -> dict:
-        """What a manifest records about the tokenizer."""
-        return {
-            "kind": self.kind,
-            "file": self.filename,
-            "sha256": self.sha256,
-            "vocab_size": self.vocab_size,
-            "bos_id": self.bos_id,
-            "eos_id": self.eos_id,
-            "pad_id": self.pad_id,
-        }
+        return {**super().describe(), "file": self.filename, "sha256": self.sha256}
 
     def save_pretrained(self, out_dir: str | Path) -> list[Path]:
         """Write the tokenizer file verbatim plus the config files ``AutoTokenizer.from_pretrained`` needs."""
@@ -168,7 +183,7 @@ class Tokenizer(ABC):
     def _hf_config(self) -> dict: ...
 
 
-class SentencePieceTokenizer(Tokenizer):
+class SentencePieceTokenizer(FileTokenizer):
     """A sentencepiece model: Llama-2's ``tokenizer.model`` or one trained by :func:`train_sentencepiece`."""
 
     kind = SENTENCEPIECE
@@ -188,19 +203,19 @@ class SentencePieceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
-    def _optional(self, token_id: int) -> Optional[int]:
+    def _optional(self, token_id: int) -> int | None:
         return None if token_id < 0 else token_id
 
     @property
-    def bos_id(self) -> Optional[int]:
+    def bos_id(self) -> int | None:
         return self._optional(self._sp.bos_id())
 
     @property
-    def eos_id(self) -> Optional[int]:
+    def eos_id(self) -> int | None:
         return self._optional(self._sp.eos_id())
 
     @property
-    def pad_id(self) -> Optional[int]:
+    def pad_id(self) -> int | None:
         return self._optional(self._sp.pad_id())
 
     def encode(self, text: str) -> list[int]:
@@ -231,18 +246,18 @@ class SentencePieceTokenizer(Tokenizer):
         }
 
 
-class TokenizerJson(Tokenizer):
+class TokenizerJson(FileTokenizer):
     """A Hugging Face ``tokenizers`` file such as Falcon's ``tokenizer.json`` (byte-level BPE)."""
 
     kind = TOKENIZER_JSON
     filename = "tokenizer.json"
 
     def __init__(self, path: Path):
-        from tokenizers import Tokenizer as HFTokenizer
+        import tokenizers
 
         self.path = Path(path)
         try:
-            self._tok = HFTokenizer.from_file(str(self.path))
+            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception for unparsable files
             raise DataError(f"{self.path}: not a readable tokenizers file ({e})") from None
         # Otherwise "<|endoftext|>" written in a document would become the EOS token: data must stay data.
@@ -257,7 +272,7 @@ class TokenizerJson(Tokenizer):
                 f"\"eos_token\" next to it (tried {', '.join(KNOWN_EOS)})"
             )
 
-    def _find(self, configured: Optional[str], fallbacks: Sequence[str]) -> Optional[int]:
+    def _find(self, configured: str | None, fallbacks: Sequence[str]) -> int | None:
         if configured is not None:
             token_id = self._tok.token_to_id(configured)
             if token_id is None:
@@ -274,15 +289,15 @@ class TokenizerJson(Tokenizer):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
-    def bos_id(self) -> Optional[int]:
+    def bos_id(self) -> int | None:
         return self._bos
 
     @property
-    def eos_id(self) -> Optional[int]:
+    def eos_id(self) -> int | None:
         return self._eos
 
     @property
-    def pad_id(self) -> Optional[int]:
+    def pad_id(self) -> int | None:
         return self._pad
 
     def encode(self, text: str) -> list[int]:
@@ -304,6 +319,88 @@ class TokenizerJson(Tokenizer):
 
     def _hf_config(self) -> dict:
         return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+
+
+class TransformersTokenizer(Tokenizer):
+    """A ``transformers`` tokenizer (e.g. a Hugging Face checkpoint's) behind the same interface.
+
+    ``add_bos=None`` follows the tokenizer's own default (what lm-evaluation-harness does since it stopped forcing
+    ``add_bos_token=False``): Llama's tokenizer adds ``<s>``, Falcon's adds nothing. Pass True/False to override.
+    """
+
+    kind = TRANSFORMERS
+
+    def __init__(self, tokenizer: Any, add_bos: bool | None = None) -> None:
+        self.tokenizer = tokenizer
+        if add_bos is None:
+            add_bos = _adds_bos_by_default(tokenizer)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if add_bos and bos is None:
+            raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
+        self._bos: int | None = bos if add_bos else None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)  # with added tokens, like TokenizerJson's
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.tokenizer.pad_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoding["input_ids"]), [start for start, _ in encoding["offset_mapping"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.convert_ids_to_tokens(token_id)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "class": type(self.tokenizer).__name__,
+                "name_or_path": str(getattr(self.tokenizer, "name_or_path", ""))}
+
+    def save_pretrained(self, out_dir: str | Path) -> list[Path]:
+        return [Path(p) for p in self.tokenizer.save_pretrained(str(out_dir))]
+
+    def __repr__(self) -> str:
+        return f"TransformersTokenizer({type(self.tokenizer).__name__}, bos_id={self.bos_id})"
+
+
+def _adds_bos_by_default(tokenizer: Any) -> bool:
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    without = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return len(with_special) > len(without) and with_special[0] == bos
+
+
+def as_tokenizer(tokenizer: Any) -> Tokenizer:
+    """A :class:`Tokenizer` for ``tokenizer``: a ``transformers`` one wrapped, one of ours passed through."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    from transformers import PreTrainedTokenizerBase  # only here: data preparation never needs transformers
+
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return TransformersTokenizer(tokenizer)
+    raise TypeError(
+        f"{type(tokenizer).__name__} is neither a transformers tokenizer nor a zerotrain.data.tokenizer.Tokenizer "
+        f"(encode(text) -> list[int], bos_id, ...)"
+    )
 
 
 def _special_tokens_next_to(path: Path) -> dict[str, str]:

@@ -1,9 +1,17 @@
-"""Batched, data-parallel log-likelihood scoring of (context, continuations) requests.
+"""Log-likelihood requests (lm-evaluation-harness' ``loglikelihood``): encoding them, and scoring them batched and
+data-parallel.
 
 A request is one context and several alternative continuations (token ids);
 the result is, per request and continuation, the summed log-probability of the
-continuation tokens given the context (what lm-evaluation-harness'
-``loglikelihood`` computes).
+continuation tokens given the context.
+
+Encoding (``encode_pair``, ``encode_choices``) splits a (context, continuation)
+text pair into token ids the way lm-evaluation-harness does: it encodes
+``context`` and ``context + continuation`` and takes the extra tokens of the
+latter as the continuation. Encoding the continuation alone would be wrong for
+sentencepiece tokenizers, which treat a leading space specially ("Answer: A"
+ends in "▁A", while " A" on its own encodes as "▁", "▁A" or similar). The
+tokenizer's ``bos_id``, when not None, is put in front of every context.
 
 Rows: when every continuation of a request is one token (MMLU's " A".." D" with
 Llama/Falcon tokenizers) the request needs one row - the context - and the
@@ -34,6 +42,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from zerotrain.data.tokenizer import Tokenizer
+
 
 @dataclass(frozen=True)
 class Request:
@@ -41,6 +51,41 @@ class Request:
 
     context: Sequence[int]
     continuations: Sequence[Sequence[int]]
+
+
+def encode_context(tokenizer: Tokenizer, context: str) -> list[int]:
+    """Context ids as ``encode_pair`` computes them (BOS, trailing spaces removed)."""
+    prefix = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    context = context.rstrip()
+    if not context and not prefix:
+        raise ValueError("empty context and no BOS token: nothing to condition on")
+    return prefix + tokenizer.encode(context) if context else prefix
+
+
+def encode_choices(
+    tokenizer: Tokenizer, context: str, continuations: Sequence[str]
+) -> tuple[list[int], list[list[int]]]:
+    """(context ids, [continuation ids]) as lm-evaluation-harness computes each pair."""
+    # Trailing spaces of the context belong to the continuation (lm-eval does the same:
+    # "Answer: " + "A" is scored as "Answer:" + " A").
+    stripped = context.rstrip()
+    moved = context[len(stripped):]
+    context_ids = encode_context(tokenizer, stripped)
+    prefix = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    out = []
+    for continuation in continuations:
+        whole = prefix + tokenizer.encode(stripped + moved + continuation)
+        ids = whole[len(context_ids):]
+        if not ids:
+            raise ValueError(f"continuation {continuation!r} encodes to no tokens")
+        out.append(ids)
+    return context_ids, out
+
+
+def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) of one pair, as lm-evaluation-harness computes them."""
+    context_ids, (continuation_ids,) = encode_choices(tokenizer, context, [continuation])
+    return context_ids, continuation_ids
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from zerotrain.evaluation.errors import (
     MMLUDataError,
     UnknownSubjectError,
 )
-from zerotrain.evaluation.mmlu_subjects import SUBJECTS, check_subject, close_matches
+from zerotrain.evaluation.mmlu.subjects import SUBJECTS, check_subject, close_matches
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,5 @@
-"""MMLU evaluation of a causal language model: the entry points.
-
-Typical use (standalone or from the trainer, on one or many ranks)::
-
-    from zerotrain.evaluation import load_mmlu, prepare_mmlu, evaluate
-
-    data = load_mmlu("cais/mmlu", limit_per_subject=20)          # once
-    prepared = prepare_mmlu(data, tokenizer, max_length=4096)   # once (optional)
-    result = evaluate(engine.module, tokenizer, prepared,
-                      batch_size=8, max_length=4096, device=engine.device)
-    log(result.to_log_dict())                                   # mmlu/acc, ...
+"""Scoring MMLU with a causal language model: ``prepare_mmlu`` tokenises the questions once (few-shot examples
+dropped to fit the context), ``evaluate`` scores them on every rank and aggregates the result.
 
 ``evaluate`` must be called on every rank of the data-parallel group when
 torch.distributed is initialised (ZeRO-3 forwards are collective); every rank
@@ -23,17 +14,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerotrain.data.tokenizer import as_tokenizer
 from zerotrain.evaluation.isolation import isolated_evaluation
 from zerotrain.evaluation.loglikelihood import Request, score_requests
-from zerotrain.evaluation.mmlu_data import MMLUData
-from zerotrain.evaluation.mmlu_prompt import (
+from zerotrain.evaluation.mmlu.data import MMLUData
+from zerotrain.evaluation.mmlu.prompt import (
     EncodedQuestion,
     SkippedQuestion,
     TooLongPolicy,
     encode_question,
 )
-from zerotrain.evaluation.mmlu_report import MMLUResult, QuestionResult, aggregate, predict
-from zerotrain.evaluation.tokenization import as_eval_tokenizer
+from zerotrain.evaluation.mmlu.report import MMLUResult, QuestionResult, aggregate, predict
 
 
 @dataclass
@@ -55,13 +46,13 @@ def prepare_mmlu(
 ) -> PreparedMMLU:
     """Build and tokenise every prompt, dropping few-shot examples where needed.
 
-    ``tokenizer``: a transformers tokenizer or an ``EvalTokenizer``.
+    ``tokenizer``: a transformers tokenizer or a ``zerotrain.data.tokenizer.Tokenizer``.
     ``on_too_long``: "skip" (count in the report) or "error" (PromptTooLongError)
     for questions that do not fit ``max_length`` tokens even zero-shot.
     """
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
-    tok = as_eval_tokenizer(tokenizer)
+    tok = as_tokenizer(tokenizer)
     encoded, skipped = [], []
     for index, question in enumerate(data.questions):
         item = encode_question(

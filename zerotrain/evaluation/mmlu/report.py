@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from zerotrain.evaluation.mmlu_prompt import SkippedQuestion
-from zerotrain.evaluation.mmlu_subjects import CATEGORIES, subject_category
+from zerotrain.evaluation.mmlu.prompt import SkippedQuestion
+from zerotrain.evaluation.mmlu.subjects import CATEGORIES, subject_category
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from zerotrain.data.tokenizer import Tokenizer
 from zerotrain.evaluation.errors import PromptTooLongError
-from zerotrain.evaluation.mmlu_data import LETTERS, Question
-from zerotrain.evaluation.mmlu_subjects import subject_description
-from zerotrain.evaluation.tokenization import EvalTokenizer, encode_choices, encode_context
+from zerotrain.evaluation.loglikelihood import encode_choices, encode_context
+from zerotrain.evaluation.mmlu.data import LETTERS, Question
+from zerotrain.evaluation.mmlu.subjects import subject_description
 
 CONTINUATIONS: tuple[str, ...] = tuple(f" {letter}" for letter in LETTERS)
 
@@ -89,7 +90,7 @@ def encode_question(
     index: int,
     question: Question,
     fewshot: Sequence[Question],
-    tokenizer: EvalTokenizer,
+    tokenizer: Tokenizer,
     max_length: int,
     on_too_long: TooLongPolicy = "skip",
 ) -> EncodedQuestion | SkippedQuestion:
