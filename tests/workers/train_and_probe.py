@@ -8,13 +8,13 @@ import sys
 
 import torch
 
-from zerotrain import config
+from zerotrain.run_config import parse_args
 from zerotrain.trainer import Trainer
 
 
 def main() -> int:
     probe_path, argv = sys.argv[1], sys.argv[2:]
-    trainer = Trainer(config.parse_args(argv))
+    trainer = Trainer(parse_args(argv))
     code = trainer.fit()
     vocab = trainer.cfg.model.vocab_size
     input_ids = (torch.arange(2 * 24).reshape(2, 24) * 37 + 5) % vocab

@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
-from zerotrain.data.errors import DataError
+from zerotrain.errors import DataError
 
 SENTENCEPIECE = "sentencepiece"
 TOKENIZER_JSON = "tokenizer_json"
