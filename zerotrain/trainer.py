@@ -2,8 +2,8 @@
 
 One class, read top to bottom: ``__init__`` sets everything up in the order the pieces depend on each other,
 ``fit`` runs the steps. Everything it uses lives in its own module, and each component decides when it is due
-(``checkpoint.save_due``, ``Validation.due``, ``MMLUHook.due``); this file only wires them together, handing each
-component its own section of the config.
+(``CheckpointConfig.save_due``, ``Validation.due``, ``MMLUHook.due``, ``TrainConfig.log_due``/``exit_due``); this
+file only wires them together, handing each component its own section of the config.
 
 Code outside the loop (tests, benchmarks, profilers) observes every step through :class:`StepCallback` objects
 passed to the trainer (``Trainer(cfg, callbacks=[...])``), on every rank, right before and right after each
@@ -105,7 +105,8 @@ class Trainer:
         self.device = get_accelerator().current_device_name()
 
         # Periodic evaluations, in the order they run after a step.
-        self.evaluations = [e for e in (validation, self._mmlu_hook() if cfg.mmlu.enabled else None) if e]
+        mmlu = self._mmlu_hook() if cfg.mmlu.enabled else None
+        self.evaluations = [e for e in (validation, mmlu) if e is not None]
 
         self.state = checkpoint.TrainState()
         resumed = self._maybe_resume()
