@@ -11,13 +11,14 @@ from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted 
 import sys
 from pathlib import Path
 
-from zerotrain.config import RECIPES_DIR, ConfigError, available, parse_args
+from zerotrain.config import RECIPES_DIR, available
+from zerotrain.errors import ConfigError, ZerotrainError
 
 
 def check_inputs(cfg) -> None:
     """Files the run needs, checked before any process is started or any directory written."""
-    for source in list(cfg.data.train) + ([{"path": cfg.data.valid}] if cfg.data.valid else []):
-        path = Path(source["path"])
+    for path in [source.path for source in cfg.data.train] + ([cfg.data.valid] if cfg.data.valid else []):
+        path = Path(path)
         if not (path / "manifest.json").is_file():
             raise ConfigError(
                 f"data directory {path} does not exist or was not prepared (no manifest.json). Prepare it with "
@@ -33,29 +34,17 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__ + "\nRecipes: " + ", ".join(available(RECIPES_DIR)))
         return 0 if argv else 2
+    from zerotrain.run_config import parse_args  # the components' sections: imports torch, transformers, DeepSpeed
+
     try:
-        cfg = parse_args(argv)  # every key and type is checked here, before any process group exists
+        cfg = parse_args(argv)  # every key, type and range is checked here, before any process group exists
         check_inputs(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        from zerotrain.trainer import Trainer
 
-    from zerotrain.checkpoint import CheckpointError
-    from zerotrain.data import DataError
-    from zerotrain.hpz import HpzVerificationError
-    from zerotrain.launch.layout import LayoutError
-    from zerotrain.launch.rendezvous import RendezvousError
-    from zerotrain.launch.slurm import SlurmEnvError
-    from zerotrain.trainer import Trainer
-
-    try:
         return Trainer(cfg).fit()
-    except (ConfigError, CheckpointError, DataError, LayoutError, RendezvousError, SlurmEnvError) as e:
+    except ZerotrainError as e:  # each error type carries its exit code (zerotrain/errors.py)
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except HpzVerificationError as e:  # hpz.verify=true found a secondary shard that differs from its primary
-        print(f"error: {e}", file=sys.stderr)
-        return 4
+        return e.exit_code
 
 
 if __name__ == "__main__":

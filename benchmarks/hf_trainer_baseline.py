@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from zerotrain import config
+from zerotrain import run_config
 from zerotrain.data.loader import build_loader
 from zerotrain.models import MODEL_CLASSES, hf_config
 
@@ -27,7 +27,7 @@ class StepTimer(TrainerCallback):
 
 def main() -> int:
     run_dir, steps, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    cfg = config.load(run_dir / "config.yaml")
+    cfg = run_config.load(run_dir / "config.yaml")
     ds = json.loads((run_dir / "deepspeed_config.json").read_text())
     global_batch = ds["train_batch_size"]  # micro-batch x accumulation x ranks, as in our run
     world = global_batch // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])

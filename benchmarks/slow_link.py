@@ -79,8 +79,28 @@ def worker(args) -> int:
     import torch.distributed as dist
 
     from zerotrain import comm_accounting
-    from zerotrain.config import parse_args
-    from zerotrain.trainer import Trainer
+    from zerotrain.run_config import parse_args
+    from zerotrain.trainer import StepCallback, Trainer
+
+    class MeasureSteadyState(StepCallback):
+        """Marks (time, this node's tx bytes) before the first measured step and after the last, with barriers so
+        every rank agrees, and the job-wide collective byte counts of the measured steps only."""
+
+        def __init__(self):
+            self.marks: list[tuple[float, int]] = []
+            self.snaps: list[dict] = []
+
+        def on_step_begin(self, trainer, step):
+            if step == args.warmup + 1:
+                dist.barrier()
+                comm_accounting.snapshot_and_reset()  # drop the warm-up steps' counts
+                self.marks.append((time.perf_counter(), _tx_bytes()))
+
+        def on_step_end(self, trainer, step, result):
+            if step == args.steps:
+                dist.barrier()
+                self.marks.append((time.perf_counter(), _tx_bytes()))
+                self.snaps.append(comm_accounting.snapshot_and_reset(all_ranks=True))
 
     out = Path(args.out_dir)
     ctl = out / "control"
@@ -95,31 +115,17 @@ def worker(args) -> int:
                 _wait_for(ctl / f"shaped-{label}")
             overrides = ["recipe=tiny_llama", f"data.train.0.path={args.data}", f"run.output_dir={out / 'runs'}",
                          f"run.name={label}", f"train.steps={args.steps}", *MODEL, *TRAIN, *VARIANTS[variant]]
-            trainer = Trainer(parse_args(overrides))  # barriers inside: nobody starts before rank 0 is released
+            measure = MeasureSteadyState()
+            # Barriers inside: nobody starts before rank 0 is released.
+            trainer = Trainer(parse_args(overrides), callbacks=[measure])
             comm_accounting.install(trainer.layout)
-            marks: list[tuple[float, int]] = []
-            snaps: list[dict] = []
-            original = trainer._train_step
-
-            def step(original=original, trainer=trainer, marks=marks, snaps=snaps):
-                if trainer.state.step == args.warmup:
-                    dist.barrier()
-                    comm_accounting.snapshot_and_reset()  # drop the warm-up steps' counts
-                    marks.append((time.perf_counter(), _tx_bytes()))
-                result = original()
-                if trainer.state.step + 1 == args.steps:
-                    dist.barrier()
-                    marks.append((time.perf_counter(), _tx_bytes()))
-                    snaps.append(comm_accounting.snapshot_and_reset(all_ranks=True))
-                return result
-
-            trainer._train_step = step
             try:
                 rc = trainer.fit()
             finally:
                 comm_accounting.uninstall()
             measured = args.steps - args.warmup
-            (t0, tx0), (t1, tx1) = marks
+            (t0, tx0), (t1, tx1) = measure.marks
+            snaps = measure.snaps
             # Wire bytes: each node's eth0 tx, counted once per node (local rank 0), summed over the nodes.
             wire = torch.tensor([float(tx1 - tx0) if local_rank == 0 else 0.0], dtype=torch.float64)
             dist.all_reduce(wire)

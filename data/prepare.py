@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from zerotrain.config import ConfigError, parse_dataclass_args  # noqa: E402
-from zerotrain.data.errors import DataError  # noqa: E402
 from zerotrain.data.prepare import PrepareConfig, prepare  # noqa: E402
+from zerotrain.errors import DataError  # noqa: E402
 
 PROG = "data/prepare.py"
 

@@ -78,7 +78,8 @@ if [ "$CHECK" = 1 ] && [ "$DRY_RUN" = 0 ]; then
   # directories exist (as seen from this machine; --no-check if only the compute nodes see them).
   (cd "$ROOT" && "$PYTHON" - "recipe=$RECIPE" "$@" <<'EOF'
 import sys
-from zerotrain.config import ConfigError, parse_args
+from zerotrain.errors import ConfigError
+from zerotrain.run_config import parse_args
 from train import check_inputs
 try:
     check_inputs(parse_args(sys.argv[1:]))

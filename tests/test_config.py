@@ -2,32 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
+
 import pytest
 import yaml
 from omegaconf import OmegaConf
 
 from launch_utils import PYTHON, run_command
-from zerotrain import config
-from zerotrain.config import ConfigError, ModelConfig
-from zerotrain.models import count_parameters
+from zerotrain import config, run_config
+from zerotrain.config import ConfigError
+from zerotrain.fields import Range, bounded, declared_range
+from zerotrain.models import ModelConfig, count_parameters
 
 RECIPES = config.available(config.RECIPES_DIR)
 MODEL_FRAGMENTS = config.available(config.FRAGMENTS_DIR / "model")
 
 
 def test_there_are_recipes_for_both_families():
-    families = {config.compose(r).model.family for r in RECIPES}
+    families = {run_config.compose(r).model.family for r in RECIPES}
     assert families == {"llama", "falcon"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_shipped_recipe_composes_and_validates(recipe):
-    cfg = config.compose(recipe)
+    cfg = run_config.compose(recipe)
     assert cfg.run.recipe == recipe
     assert cfg.train.seq_len <= cfg.model.max_seq_len
     assert cfg.data.train, "a recipe must name its data"
     # The saved form reloads to the same config (the run directory's config.yaml is the source of truth).
-    assert config.load_text(config.to_yaml(cfg)) == cfg
+    assert run_config.load_text(config.to_yaml(cfg)) == cfg
 
 
 @pytest.mark.parametrize("fragment", MODEL_FRAGMENTS)
@@ -44,14 +49,14 @@ def test_model_shapes_match_their_published_parameter_counts(fragment):
 
 
 def test_llama2_70b_uses_grouped_query_attention():
-    cfg = config.compose("tiny_llama", ["model=llama2_70b", "train.seq_len=4096"])
+    cfg = run_config.compose("tiny_llama", ["model=llama2_70b", "train.seq_len=4096"])
     assert cfg.model.num_kv_heads == 8 and cfg.model.num_heads == 64
 
 
 def test_overrides_reach_the_config_with_their_types():
-    cfg = config.compose("tiny_llama", ["train.steps=7", "optim.lr=1e-4", "optim.betas=[0.9,0.99]",
-                                        "zero.zero_hpz_partition_size=4", "hpz.mode=sync", "model=falcon_tiny",
-                                        "cluster.env.NCCL_SOCKET_IFNAME=ens1f0"])
+    cfg = run_config.compose("tiny_llama", ["train.steps=7", "optim.lr=1e-4", "optim.betas=[0.9,0.99]",
+                                            "zero.zero_hpz_partition_size=4", "hpz.mode=sync", "model=falcon_tiny",
+                                            "cluster.env.NCCL_SOCKET_IFNAME=ens1f0"])
     assert cfg.train.steps == 7 and cfg.optim.lr == pytest.approx(1e-4)
     assert list(cfg.optim.betas) == [0.9, 0.99]
     assert cfg.zero.zero_hpz_partition_size == 4 and cfg.hpz.mode == "sync"
@@ -79,7 +84,7 @@ def test_overrides_reach_the_config_with_their_types():
 )
 def test_bad_overrides_are_named_with_a_suggestion(override, expected):
     with pytest.raises(ConfigError) as err:
-        config.compose("tiny_llama", [override])
+        run_config.compose("tiny_llama", [override])
     assert expected in str(err.value)
 
 
@@ -106,9 +111,126 @@ def test_help_lists_recipes():
 
 
 def test_saved_config_is_loaded_against_the_schema(tmp_path):
-    cfg = config.compose("tiny_falcon", ["train.steps=3"])
+    cfg = run_config.compose("tiny_falcon", ["train.steps=3"])
     config.save(cfg, tmp_path / "config.yaml")
-    assert config.load(tmp_path / "config.yaml") == cfg
+    assert run_config.load(tmp_path / "config.yaml") == cfg
     (tmp_path / "bad.yaml").write_text("train:\n  stepz: 3\n")
     with pytest.raises(ConfigError, match="train.stepz"):
-        config.load(tmp_path / "bad.yaml")
+        run_config.load(tmp_path / "bad.yaml")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Ranges, declared beside each field (zerotrain/fields.py) and checked at compose time by one walker
+# --------------------------------------------------------------------------------------------------------------
+
+NUMBERS = (int, float)
+
+
+def numeric_fields(schema: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, type]]:
+    """(dotted key, field, number type) of every number or list of numbers in the schema, nested sections and lists
+    of sections included (item 0 of a list: the key tiny_llama's recipe has)."""
+    found = []
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        declared = hints[f.name]
+        args = [a for a in typing.get_args(declared) if a is not type(None)]
+        inner = args[0] if typing.get_origin(declared) in (list, typing.Union, types.UnionType) and args else declared
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(inner):
+            found += numeric_fields(inner, f"{key}.0." if typing.get_origin(declared) is list else f"{key}.")
+        elif inner in NUMBERS:
+            found.append((key, f, inner))
+    return found
+
+
+def out_of_range_values(spec: Range, number: type) -> list[str]:
+    """Override values just outside each declared bound."""
+    below = [spec.ge - 1 if number is int else spec.ge - 0.5] if spec.ge is not None else []
+    below += [spec.gt] if spec.gt is not None else []
+    above = [spec.le + 1 if number is int else spec.le + 0.5] if spec.le is not None else []
+    above += [spec.lt] if spec.lt is not None else []
+    return [str(v) for v in below + above]
+
+
+RUN_NUMBERS = numeric_fields(run_config.Config)
+
+
+def test_the_schema_walk_finds_the_numbers():
+    keys = {key for key, _, _ in RUN_NUMBERS}
+    assert {"optim.lr", "optim.betas", "checkpoint.interval", "train.eval_interval", "data.train.0.weight",
+            "model.num_kv_heads", "run.seed"} <= keys
+
+
+def test_the_schema_walk_finds_a_number_without_a_declared_range():
+    @dataclasses.dataclass
+    class Section:
+        checked: int = bounded(1, ge=1)
+        forgotten: float = 0.5
+
+    assert {key: declared_range(f) is not None for key, f, _ in numeric_fields(Section)} == {"checked": True,
+                                                                                             "forgotten": False}
+
+
+@pytest.mark.parametrize("key", [key for key, _, _ in RUN_NUMBERS])
+def test_every_numeric_field_declares_its_range(key):
+    _, f, _ = next(item for item in RUN_NUMBERS if item[0] == key)
+    spec = declared_range(f)
+    assert spec is not None and spec.bounds_numbers, f"{key}: declare its range with zerotrain.fields.bounded(...)"
+
+
+@pytest.mark.parametrize("key", [key for key, f, _ in RUN_NUMBERS if declared_range(f)])
+def test_out_of_range_values_are_rejected_naming_key_and_range(key):
+    _, f, number = next(item for item in RUN_NUMBERS if item[0] == key)
+    spec = declared_range(f)
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    for value in out_of_range_values(spec, number):
+        # A list of numbers is overridden whole, its first item out of range.
+        text = "[" + ",".join([value, *map(str, default[1:])]) + "]" if isinstance(default, list) else value
+        with pytest.raises(ConfigError) as err:
+            run_config.compose("tiny_llama", [f"{key}={text}"])
+        assert f"{key}=" in str(err.value) and spec.describe() in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optim.lr=-1", "optim.lr=-1.0 is out of range: it must be >= 0"),
+        ("optim.betas=[0.9]", "optim.betas=[0.9] has 1 item(s); it must have exactly 2"),
+        ("optim.betas=[0.9,1.5]", "item 1 (1.5) must be in [0, 1)"),
+        ("checkpoint.interval=-1", "checkpoint.interval=-1 is out of range: it must be >= 0"),
+        ("train.eval_interval=-5", "train.eval_interval=-5 is out of range: it must be >= 0"),
+        ("data.train=[]", "data.train=[] has 0 item(s); it must have at least 1: name at least one prepared data"),
+        ("train.nan_policy=stopp", "train.nan_policy=stopp is not valid. Did you mean 'stop'? Valid: stop, continue"),
+    ],
+)
+def test_values_out_of_range_are_rejected_at_compose_time(override, expected):
+    with pytest.raises(ConfigError) as err:
+        run_config.compose("tiny_llama", [override])
+    assert expected in str(err.value)
+
+
+def test_without_the_range_walker_these_values_compose(monkeypatch):
+    # Negative control of the test above: the walker, not some other check, is what rejects them.
+    monkeypatch.setattr(config, "check_ranges", lambda typed: None)
+    for override in ("optim.lr=-1", "optim.betas=[0.9]", "checkpoint.interval=-1", "train.eval_interval=-5"):
+        run_config.compose("tiny_llama", [override])
+
+
+@pytest.mark.parametrize("override", ["optim.lr=0", "optim.betas=[0.0,0.999]", "checkpoint.interval=0",
+                                      "train.eval_interval=5", "schedule.min_lr_ratio=1", "run.seed=4294967295"])
+def test_values_at_the_edge_of_their_range_are_accepted(override):
+    key, _, text = override.partition("=")
+    assert config.as_container(OmegaConf.select(run_config.compose("tiny_llama", [override]), key)) == yaml.safe_load(text)
+
+
+def test_hpz_modes_of_the_schema_are_the_modules_modes():
+    from zerotrain import hpz
+    from zerotrain.hpz.config import HpzMode
+
+    assert tuple(HpzMode) == hpz.MODES
+
+
+def test_the_typed_config_saves_the_same_yaml_as_the_composed_one():
+    for recipe in RECIPES:
+        cfg = run_config.compose(recipe)
+        assert config.to_yaml(config.to_object(cfg)) == config.to_yaml(cfg), recipe

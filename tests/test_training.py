@@ -69,6 +69,16 @@ def test_tiny_llama_loss_falls_on_4_processes_under_zero3_hpz(uninterrupted):
     assert [r["step"] for r in records if "val/loss" in r] == [8, 16]
 
 
+def test_step_callbacks_see_every_step_once_in_order_with_the_logged_loss(uninterrupted):
+    run_dir, probe_path = uninterrupted
+    events = torch.load(probe_path)["step_events"]
+    # Before step s the trainer has done s-1 steps; after it, s. log_interval=1: each step's loss is a logged line.
+    assert [e[:3] for e in events] == [e for s in range(1, STEPS + 1) for e in (("begin", s, s - 1), ("end", s, s))]
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r}
+    assert all(e[3] == records[e[1]]["loss"] and e[4] == records[e[1]]["lr"] and e[5] for e in events[1::2])
+
+
 def test_run_directory_holds_resolved_config_and_deepspeed_config(uninterrupted):
     run_dir, _ = uninterrupted
     saved = (run_dir / "config.yaml").read_text()

@@ -12,6 +12,8 @@ Ordering is what makes a crash at any moment harmless: every rank writes its fil
 only then rank 0 writes ``meta.json`` (listing the files it sees) and moves ``latest`` (atomic rename). Old
 checkpoints are pruned after ``latest`` has moved, never the one it points to. On load, the file list in
 ``meta.json`` is checked first, so a truncated or missing shard is reported by name instead of deep inside DeepSpeed.
+
+The ``checkpoint`` section of the run config (:class:`CheckpointConfig`) is declared here.
 """
 
 from __future__ import annotations
@@ -26,13 +28,31 @@ from typing import Any, Optional
 import torch
 
 from zerotrain.distributed import barrier
+from zerotrain.errors import CheckpointError
+from zerotrain.fields import bounded
 
 LATEST = "latest"
 OURS = "zerotrain"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and what to do."""
+@dataclass
+class CheckpointConfig:
+    """The ``checkpoint`` section: when to save, how many to keep, whether to resume and to export."""
+
+    interval: int = bounded(0, ge=0)
+    """Steps between checkpoints; 0: only at the end (save_final)."""
+    keep_last: int = bounded(3, ge=1)
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    resume: bool = True
+    """Resume automatically from <run dir>/checkpoints/latest; false refuses to start over existing checkpoints."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+    export_hf: bool = False
+    """Also write a Hugging Face directory (<run dir>/hf) after the last step (needs save_final)."""
+
+    def save_due(self, step: int, last_step: int) -> bool:
+        """Whether step ``step`` ends with a periodic checkpoint (the last step's is save_final's)."""
+        return bool(self.interval) and step % self.interval == 0 and step != last_step
 
 
 @dataclass

@@ -66,11 +66,22 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from zerotrain.launch.layout import NodeLayout
 
 FIELDS = ("calls", "send_intra", "send_inter", "recv_intra", "recv_inter")
+
+
+@dataclass
+class CommConfig:
+    """The ``comm`` section of the run config."""
+
+    accounting: bool = False
+    """Count the bytes of every collective, split intra-/inter-node by the real node layout, logged per step as
+    comm/*. Installed once the model and engine exist (start-up traffic is not counted); costs one small all-reduce
+    per log interval."""
 
 # cdb method -> (kind reported, byte rule). Kinds group the methods that are the same collective.
 _METHODS: dict[str, str] = {

@@ -1,223 +1,49 @@
-"""The run configuration: typed schema, recipe composition and command-line overrides.
+"""Composing a config: recipes and fragments, ``key=value`` overrides, the "did you mean" hint, save and load.
 
 A run is described by one recipe (``recipes/<name>.yaml``). A recipe names reusable fragments from
 ``configs/<group>/<name>.yaml`` in its ``defaults`` mapping (model size, ZeRO preset, optimizer, data set,
 cluster profile) and overrides whatever it needs. The command line then overrides the result with the same
 dotted ``key=value`` grammar everywhere (``train.steps=50``), or swaps a whole fragment (``model=falcon_tiny``).
 
-Everything is validated against the dataclasses below (OmegaConf structured configs) before any process group
-exists: an unknown or misspelt key, or a value of the wrong type, is a :class:`ConfigError` that names the key and
-suggests the closest valid one. The DeepSpeed ``zero`` section is DeepSpeed's own ``zero_optimization`` block,
-passed through verbatim and validated by DeepSpeed's own pydantic model.
+This module knows no section: it composes against whatever dataclass schema it is given (OmegaConf structured
+configs). The run's schema is :class:`zerotrain.run_config.Config`, made of the sections each component declares next
+to its code (``zerotrain.models.ModelConfig``, ``zerotrain.engine.OptimConfig``, ...). Everything is checked before
+any process group exists: an unknown or misspelt key, a value of the wrong type or not one of an enum's members (with
+the closest valid one suggested), a missing required value, and a number outside the range declared beside its field
+(:mod:`zerotrain.fields`); then the schema's own checks (``check``) run on the typed object.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
+import enum
+import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from zerotrain.errors import ConfigError
+from zerotrain.fields import check_ranges
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
 FRAGMENTS_DIR = REPO_ROOT / "configs"
 
-
-class ConfigError(ValueError):
-    """A configuration problem a user can fix: the message names the key, file or value and what is valid."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Schema
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunConfig:
-    name: str = "run"
-    recipe: Optional[str] = None  # filled in by compose(): which recipe this run came from
-    # The run directory is <output_dir>/<name>: config, metrics, checkpoints. Relaunching with the same name resumes.
-    output_dir: str = "runs"
-    seed: int = 1234
-
-
-@dataclass
-class ModelConfig:
-    family: str = "llama"  # llama | falcon
-    # A local Hugging Face checkpoint directory to fine-tune from; None trains the shape below from scratch.
-    pretrained_path: Optional[str] = None
-    hidden_size: int = 4096
-    num_layers: int = 32
-    num_heads: int = 32
-    num_kv_heads: Optional[int] = None  # None: multi-head attention (= num_heads)
-    intermediate_size: Optional[int] = None  # None: the family's default (Falcon: 4 * hidden)
-    vocab_size: int = 32000
-    max_seq_len: int = 4096
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    # Falcon only: layout of the decoder block (see transformers' FalconConfig).
-    parallel_attn: bool = True
-    new_decoder_architecture: bool = False
-    bias: bool = False
-    # Published parameter count of this shape, checked by the tests; None for shapes of our own.
-    published_params: Optional[float] = None
-
-
-@dataclass
-class HpzConfig:
-    # stock: DeepSpeed <= 0.13.4 (racy, reproduces the failure) | sync: host waits (the paper's fix, DeepSpeed today)
-    # | ordered: device-side ordering with events (ours).
-    mode: str = "ordered"
-    verify: bool = False
-
-
-@dataclass
-class DataSourceConfig:
-    path: str = "???"  # a directory written by data/prepare.py
-    weight: float = 1.0
-
-
-@dataclass
-class DataConfig:
-    kind: str = "pretrain"  # pretrain | sft
-    train: list[DataSourceConfig] = field(default_factory=list)
-    # Validation set: a prepared directory; None uses the 'valid' split of the first train source if it has one.
-    valid: Optional[str] = None
-    # sft: pack several examples into one sequence, or pad each to seq_len.
-    packing: bool = True
-
-
-@dataclass
-class OptimConfig:
-    name: str = "adamw"  # adamw | adam
-    lr: float = 3e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-
-
-@dataclass
-class ScheduleConfig:
-    name: str = "cosine"  # cosine | linear | constant
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # cosine/linear decay to lr * min_lr_ratio at the last step
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 1000
-    micro_batch_size: int = 1
-    grad_accum: int = 1
-    seq_len: int = 2048
-    precision: str = "bf16"  # bf16 | fp32
-    grad_clip: float = 1.0  # 0 disables clipping
-    log_interval: int = 10
-    eval_interval: int = 0  # 0 disables periodic validation
-    eval_batches: int = 8
-    nan_policy: str = "stop"  # stop (clear error, last checkpoint kept) | continue (log it, e.g. to record divergence)
-    # Save a checkpoint and exit cleanly when step % exit_interval == 0 (Megatron's --exit-interval); 0: never.
-    exit_interval: int = 0
-
-
-@dataclass
-class CheckpointConfig:
-    interval: int = 0  # steps between checkpoints; 0 only at the end
-    keep_last: int = 3
-    resume: bool = True  # resume automatically from <run dir>/checkpoints/latest
-    save_final: bool = True
-    export_hf: bool = False  # also write a Hugging Face directory after the last step
-
-
-@dataclass
-class WandbConfig:
-    enabled: bool = True
-    project: str = "zerotrain"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    name: Optional[str] = None  # default: run.name
-    tags: list[str] = field(default_factory=list)
-    mode: str = "auto"  # auto (offline without an API key) | online | offline | disabled
-
-
-@dataclass
-class MMLUConfig:
-    """MMLU during training (zerotrain.evaluation): every ``interval`` steps and after the last step."""
-
-    enabled: bool = False
-    interval: int = 0  # 0: only after the last step
-    data: str = "data/mmlu/test.jsonl"  # cais/mmlu (the hub), a local JSONL/parquet file, or a Hendrycks CSV dir
-    subjects: list[str] = field(default_factory=list)  # empty: all 57
-    limit_per_subject: int = 0  # 0: all questions; a small cap keeps in-training evaluation quick
-    shots: int = 5
-    batch_size: int = 8
-
-
-@dataclass
-class CommConfig:
-    # Count the bytes of every collective, split intra-/inter-node by the real node layout (zerotrain.comm_accounting),
-    # logged per step as comm/*. Costs one small all-reduce per log interval.
-    accounting: bool = False
-
-
-@dataclass
-class ClusterConfig:
-    name: str = "local"
-    # Accelerator peak dense TFLOP/s used for MFU; 0 looks the device up in zerotrain.metrics.PEAK_TFLOPS.
-    peak_tflops: float = 0.0
-    # Environment for the collective library (NCCL_SOCKET_IFNAME, ...); set before the process group is created.
-    env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    # DeepSpeed's zero_optimization block, verbatim (validated by DeepSpeed). zero_hpz_partition_size may be 'auto'.
-    zero: dict[str, Any] = field(default_factory=lambda: {"stage": 3})
-    hpz: HpzConfig = field(default_factory=HpzConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    mmlu: MMLUConfig = field(default_factory=MMLUConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-
-
-# Fragment groups a recipe (or the command line) can select by name: group -> key in Config.
+# Fragment groups a recipe (or the command line) can select by name: configs/<group>/ fills the top-level key <group>.
 FRAGMENT_GROUPS = ("model", "data", "zero", "optim", "schedule", "cluster")
-
-CHOICES = {
-    "model.family": ("llama", "falcon"),
-    "hpz.mode": ("stock", "sync", "ordered"),
-    "data.kind": ("pretrain", "sft"),
-    "optim.name": ("adamw", "adam"),
-    "schedule.name": ("cosine", "linear", "constant"),
-    "train.precision": ("bf16", "fp32"),
-    "train.nan_policy": ("stop", "continue"),
-    "wandb.mode": ("auto", "online", "offline", "disabled"),
-}
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Composition
-# --------------------------------------------------------------------------------------------------------------
 
 
 def available(directory: Path) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml"))
 
 
-def _close(word: str, options: Sequence[str]) -> str:
+def did_you_mean(word: str, options: Sequence[str]) -> str:
+    """`` Did you mean 'x'?`` for the closest of ``options`` to ``word``, or an empty string."""
     match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
     return f" Did you mean '{match[0]}'?" if match else ""
 
@@ -238,7 +64,7 @@ def _fragment(group: str, name: str) -> dict:
     if not path.is_file():
         options = available(directory)
         raise ConfigError(
-            f"{group}={name}: no fragment {path.relative_to(REPO_ROOT)}.{_close(name, options)} "
+            f"{group}={name}: no fragment {path.relative_to(REPO_ROOT)}.{did_you_mean(name, options)} "
             f"Available {group} fragments: {', '.join(options)}"
         )
     return _read_yaml(path)
@@ -251,11 +77,11 @@ def _recipe_path(recipe: str) -> Path:
     path = RECIPES_DIR / f"{recipe}.yaml"
     if not path.is_file():
         options = available(RECIPES_DIR)
-        raise ConfigError(f"recipe={recipe}: no such recipe.{_close(recipe, options)} Available: {', '.join(options)}")
+        raise ConfigError(f"recipe={recipe}: no such recipe.{did_you_mean(recipe, options)} Available: {', '.join(options)}")
     return path
 
 
-def _split_overrides(overrides: Sequence[str]) -> tuple[Optional[str], dict[str, str], list[str]]:
+def _split_overrides(overrides: Sequence[str]) -> tuple[str | None, dict[str, str], list[str]]:
     """Separate ``recipe=``, fragment swaps (``model=falcon_tiny``) and dotted overrides; reject malformed ones."""
     recipe, swaps, dotted = None, {}, []
     for item in overrides:
@@ -286,13 +112,39 @@ def _unknown_key_message(cfg: Any, dotted_key: str) -> str:
             continue
         if not isinstance(node, DictConfig):
             return f"'{prefix}' is a value, it has no key '{part}'"
-        keys = [str(k) for k in node.keys()]
+        keys = [str(k) for k in node]
         if part not in keys:
             valid = [f"{prefix}.{k}" if prefix else k for k in keys]
-            guess = _close(".".join(parts[: i + 1]), valid)
+            guess = did_you_mean(".".join(parts[: i + 1]), valid)
             return f"unknown config key '{dotted_key}'.{guess} Valid keys here: {', '.join(sorted(valid))}"
         node = node[part]
     return f"invalid config key '{dotted_key}'"
+
+
+def _enum_choices(cfg: DictConfig, key: str) -> list[str] | None:
+    """The member names of the enum the schema declares for ``key``, or None when it is not an enum field."""
+    parent_key, _, leaf = key.rpartition(".")
+    try:
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    except OmegaConfBaseException:
+        return None
+    schema = OmegaConf.get_type(parent) if isinstance(parent, DictConfig) else None
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return None
+    declared = typing.get_type_hints(schema).get(leaf)
+    for candidate in (declared, *typing.get_args(declared)):  # Optional[SomeEnum] too
+        if isinstance(candidate, type) and issubclass(candidate, enum.Enum):
+            return list(candidate.__members__)
+    return None
+
+
+def _bad_value(cfg: DictConfig, key: str, error: OmegaConfBaseException) -> str:
+    choices = _enum_choices(cfg, key)
+    if choices is not None:
+        value = str(getattr(error, "value", ""))
+        return f"{key}={value} is not valid.{did_you_mean(value, choices)} Valid: {', '.join(choices)}"
+    message = str(getattr(error, "msg", error)).splitlines()[0]
+    return f"bad value for '{key}': {message}"
 
 
 def _merge(base: DictConfig, update: Any, origin: str) -> DictConfig:
@@ -302,8 +154,7 @@ def _merge(base: DictConfig, update: Any, origin: str) -> DictConfig:
         key = getattr(e, "full_key", None) or ""
         if "not in struct" in str(e) or "Key '" in str(e) and "not in" in str(e):
             raise ConfigError(f"{origin}: {_unknown_key_message(base, key)}") from None
-        message = str(getattr(e, "msg", e)).splitlines()[0]
-        raise ConfigError(f"{origin}: bad value for '{key}': {message}") from None
+        raise ConfigError(f"{origin}: {_bad_value(base, key, e)}") from None
 
 
 def _apply_override(cfg: DictConfig, item: str) -> None:
@@ -317,9 +168,8 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
         raise ConfigError(f"{origin}: cannot parse the value: {str(e).splitlines()[0]}") from None
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-    if isinstance(parent, ListConfig):
-        if not leaf.isdigit() or int(leaf) >= len(parent):
-            raise ConfigError(f"{origin}: '{parent_key}' is a list of {len(parent)} item(s); '{leaf}' is not an index")
+    if isinstance(parent, ListConfig) and (not leaf.isdigit() or int(leaf) >= len(parent)):
+        raise ConfigError(f"{origin}: '{parent_key}' is a list of {len(parent)} item(s); '{leaf}' is not an index")
     # Free-form mappings (zero: DeepSpeed's block, checked by DeepSpeed; cluster.env) take new keys; schema
     # sections do not.
     free_form = isinstance(parent, DictConfig) and OmegaConf.get_type(parent) is dict
@@ -330,12 +180,16 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
             value = OmegaConf.to_container(value)
         OmegaConf.update(cfg, key, value, merge=True, force_add=free_form)
     except OmegaConfBaseException as e:
-        message = str(getattr(e, "msg", e)).splitlines()[0]
-        raise ConfigError(f"{origin}: bad value for '{key}': {message}") from None
+        raise ConfigError(f"{origin}: {_bad_value(cfg, key, e)}") from None
 
 
-def compose(recipe: Optional[str], overrides: Sequence[str] = ()) -> DictConfig:
-    """Build the full run config: schema defaults < fragments < recipe body < command-line overrides."""
+def compose(schema: type, recipe: str | None, overrides: Sequence[str] = (), *, recipe_key: str | None = None,
+            check: Callable[[Any], None] | None = None) -> DictConfig:
+    """Build a config: ``schema``'s defaults < fragments < recipe body < command-line overrides, then check it.
+
+    ``recipe_key`` (e.g. ``run.recipe``) records which recipe the config came from; ``check`` gets the typed object
+    (``OmegaConf.to_object``) after every declared range has been checked, for the schema's own checks.
+    """
     cli_recipe, swaps, dotted = _split_overrides(overrides)
     recipe = cli_recipe or recipe
     if not recipe:
@@ -348,88 +202,33 @@ def compose(recipe: Optional[str], overrides: Sequence[str] = ()) -> DictConfig:
     for group in defaults:
         if group not in FRAGMENT_GROUPS:
             raise ConfigError(
-                f"{path}: unknown fragment group '{group}' in defaults.{_close(group, FRAGMENT_GROUPS)} "
+                f"{path}: unknown fragment group '{group}' in defaults.{did_you_mean(group, FRAGMENT_GROUPS)} "
                 f"Valid groups: {', '.join(FRAGMENT_GROUPS)}"
             )
     defaults.update(swaps)
 
-    cfg = OmegaConf.structured(Config)
+    cfg = OmegaConf.structured(schema)
     for group, name in defaults.items():
         cfg = _merge(cfg, {group: _fragment(group, str(name))}, f"configs/{group}/{name}.yaml")
     cfg = _merge(cfg, body, str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path))
     for item in dotted:
         _apply_override(cfg, item)
-    cfg.run.recipe = str(recipe)
-    validate(cfg)
+    if recipe_key:
+        OmegaConf.update(cfg, recipe_key, str(recipe))
+    typed = to_object(cfg)
+    if check is not None:
+        check(typed)
     return cfg
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Validation beyond types
-# --------------------------------------------------------------------------------------------------------------
-
-
-def validate(cfg: DictConfig) -> None:
-    for key, options in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in options:
-            raise ConfigError(f"{key}={value} is not valid.{_close(str(value), options)} Valid: {', '.join(options)}")
+def to_object(cfg: DictConfig) -> Any:
+    """The typed object of a composed config (dataclass instances, enums), once every value is present and in range."""
     missing = OmegaConf.missing_keys(cfg)
     if missing:
         raise ConfigError(f"required config keys have no value: {', '.join(sorted(missing))}")
-    if not cfg.data.train:
-        raise ConfigError("data.train is empty: name at least one prepared data directory (see data/prepare.py)")
-    positive = ["train.steps", "train.micro_batch_size", "train.grad_accum", "train.seq_len", "train.log_interval"]
-    for key in positive:
-        if OmegaConf.select(cfg, key) <= 0:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be a positive integer")
-    if cfg.train.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    if cfg.checkpoint.keep_last < 1:
-        raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
-    validate_zero(OmegaConf.to_container(cfg.zero, resolve=True))
-    validate_model(OmegaConf.to_object(cfg.model))
-
-
-def validate_model(model: ModelConfig) -> None:
-    """Build the Hugging Face config of the shape: transformers' own checks (ranges, head counts) run here."""
-    from zerotrain.models import hf_config  # deferred: importing transformers is slow
-
-    if model.hidden_size % model.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}"
-        )
-    if model.num_kv_heads and model.num_heads % model.num_kv_heads:
-        raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by "
-                          f"model.num_kv_heads={model.num_kv_heads} (grouped-query attention)")
-    try:
-        hf_config(model)
-    except Exception as e:  # transformers raises its own validation error types
-        detail = " ".join(str(e).split())
-        raise ConfigError(f"invalid model section for {model.family}: {detail}") from None
-
-
-def validate_zero(zero: dict) -> None:
-    """Check the zero section with DeepSpeed's own schema, so a misspelt DeepSpeed key fails before launch."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # deferred: importing deepspeed is slow
-
-    checked = dict(zero)
-    if checked.get("zero_hpz_partition_size") == "auto":
-        checked["zero_hpz_partition_size"] = 1
-    try:
-        DeepSpeedZeroConfig(**checked)
-    except Exception as e:  # pydantic.ValidationError; message lists every bad field
-        fields = list(DeepSpeedZeroConfig.model_fields)
-        aliases = [f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias]
-        hints = []
-        for error in getattr(e, "errors", lambda: [])():
-            name = str(error["loc"][0]) if error.get("loc") else ""
-            if error.get("type") == "extra_forbidden":
-                hints.append(f"unknown key 'zero.{name}'.{_close(name, fields + aliases)}")
-            else:
-                hints.append(f"zero.{name}: {error.get('msg')} (got {error.get('input')!r})")
-        detail = "; ".join(hints) or str(e)
-        raise ConfigError(f"invalid DeepSpeed zero_optimization section: {detail}") from None
+    typed = OmegaConf.to_object(cfg)
+    check_ranges(typed)
+    return typed
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -437,16 +236,16 @@ def validate_zero(zero: dict) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str]) -> DictConfig:
-    """``train.py`` arguments -> validated config. ``--help`` style flags are handled by the caller."""
-    return compose(None, argv)
+def _as_node(cfg: Any) -> DictConfig:
+    return OmegaConf.structured(cfg) if dataclasses.is_dataclass(cfg) else cfg
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+def to_yaml(cfg: DictConfig | Any) -> str:
+    """The fully resolved YAML of a composed config or of its typed object (the same text for both)."""
+    return OmegaConf.to_yaml(_as_node(cfg), resolve=True)
 
 
-def save(cfg: DictConfig, path: Path) -> None:
+def save(cfg: DictConfig | Any, path: Path) -> None:
     """Write the fully resolved config atomically (never a half-written file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -454,15 +253,15 @@ def save(cfg: DictConfig, path: Path) -> None:
     tmp.replace(path)
 
 
-def load(path: Path) -> DictConfig:
-    """Load a config saved by :func:`save` (e.g. from a run directory), validated against today's schema."""
-    return _merge(OmegaConf.structured(Config), _read_yaml(Path(path)), str(path))
+def load(schema: type, path: Path) -> DictConfig:
+    """Load a config saved by :func:`save` (e.g. from a run directory), validated against today's ``schema``."""
+    return _merge(OmegaConf.structured(schema), _read_yaml(Path(path)), str(path))
 
 
-def load_text(text: str, origin: str = "saved config") -> DictConfig:
-    """Like :func:`load`, from the YAML text stored in a checkpoint's metadata."""
+def load_text(schema: type, text: str, origin: str = "saved config") -> DictConfig:
+    """Like :func:`load`, from YAML text (e.g. stored in a checkpoint's metadata)."""
     data = yaml.safe_load(text) or {}
-    return _merge(OmegaConf.structured(Config), data, origin)
+    return _merge(OmegaConf.structured(schema), data, origin)
 
 
 def parse_dataclass_args(schema: type, argv: Sequence[str], prog: str) -> Any:
@@ -478,11 +277,19 @@ def parse_dataclass_args(schema: type, argv: Sequence[str], prog: str) -> Any:
     missing = OmegaConf.missing_keys(cfg)
     if missing:
         raise ConfigError(f"{prog}: required arguments missing: {', '.join(sorted(missing))}")
-    return OmegaConf.to_object(cfg)
+    typed = OmegaConf.to_object(cfg)
+    try:
+        check_ranges(typed)
+    except ConfigError as e:
+        raise ConfigError(f"{prog}: {e}") from None
+    return typed
 
 
 def as_container(node: Any) -> Any:
-    """Plain Python dicts/lists from an OmegaConf node (for DeepSpeed's config and W&B)."""
+    """Plain Python dicts, lists and strings (enum members by name) from an OmegaConf node or a typed config object,
+    e.g. for W&B's run config."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        node = OmegaConf.structured(node)
     if isinstance(node, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(node, resolve=True)
+        return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
     return node

@@ -2,7 +2,8 @@
 
 Works the same under ``torchrun``, under ``srun`` (the SLURM variables are translated by ``zerotrain.launch``) and as
 a plain single process. The cluster profile's environment (NCCL/gloo settings) is applied *before* the process group
-exists, because the collective libraries read it only once, at initialisation.
+exists, because the collective libraries read it only once, at initialisation. The ``cluster`` section of the run
+config (:class:`ClusterConfig`) is declared here.
 """
 
 from __future__ import annotations
@@ -10,12 +11,28 @@ from __future__ import annotations
 import os
 import random
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from zerotrain.fields import bounded
+
+
+@dataclass
+class ClusterConfig:
+    """The ``cluster`` section (``configs/cluster/*.yaml``): the machines' profile."""
+
+    name: str = "local"
+    """The profile's name (for the record)."""
+    peak_tflops: float = bounded(0.0, ge=0)
+    """Accelerator peak dense TFLOP/s used for MFU; 0 looks the device up in zerotrain.metrics.PEAK_TFLOPS."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment for the collective library (NCCL_SOCKET_IFNAME, ...), set before the process group is created;
+    a variable already in the job's environment wins."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +63,7 @@ def _single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-def apply_environment(env: dict[str, str]) -> None:
+def apply_environment(env: Mapping[str, str]) -> None:
     """Cluster-profile variables; an explicit variable in the job's environment wins over the profile."""
     for key, value in env.items():
         os.environ.setdefault(str(key), str(value))

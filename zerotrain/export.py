@@ -20,8 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from zerotrain import checkpoint
-from zerotrain.config import Config, ModelConfig
-from zerotrain.models import MODEL_CLASSES, hf_config, torch_dtype
+from zerotrain.models import MODEL_CLASSES, ModelConfig, hf_config, torch_dtype
 
 
 def resolve_tag_dir(path: Path) -> Path:
@@ -46,14 +45,16 @@ def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
 
     tag_dir = Path(tag_dir)
     meta = checkpoint.read_meta(tag_dir)
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), yaml.safe_load(meta["config"]))
-    model_cfg: ModelConfig = OmegaConf.to_object(cfg.model)
+    # What the export needs of the run's saved config: the model section, the precision and where the tokenizer is.
+    saved = yaml.safe_load(meta["config"])
+    model_cfg: ModelConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"]))
+    precision, tokenizer_dir = saved["train"]["precision"], saved["data"]["train"][0]["path"]
     state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     # The class itself, not _from_config: inside a training process an HfDeepSpeedConfig is alive and _from_config
     # would enter zero.Init (collective) on this one rank. On the meta device no memory is touched until the load.
     with torch.device("meta"):
         model = MODEL_CLASSES[model_cfg.family](hf_config(model_cfg))
-    dtype = torch_dtype(cfg.train.precision)
+    dtype = torch_dtype(precision)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     model.tie_weights()
     missing = [name for name, p in model.named_parameters() if p.is_meta]
@@ -62,7 +63,7 @@ def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
     model.config.dtype = dtype
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
-    load_tokenizer(cfg.data.train[0].path).save_pretrained(out_dir)
+    load_tokenizer(tokenizer_dir).save_pretrained(out_dir)
     return out_dir
 
 

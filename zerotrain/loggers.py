@@ -3,7 +3,7 @@
 The W&B run id is stored with every checkpoint and given back to ``wandb.init(id=..., resume="allow")`` on restart,
 so a preempted and requeued job continues the same W&B run instead of starting a new one. Without an API key
 (``WANDB_API_KEY`` or a ``~/.netrc`` entry) W&B runs offline; ``wandb sync <run dir>/wandb/offline-run-*`` uploads
-it later.
+it later. The ``wandb`` section of the run config (:class:`WandbConfig`) is declared here.
 """
 
 from __future__ import annotations
@@ -12,14 +12,39 @@ import json
 import logging
 import netrc
 import os
+from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig
-
-from zerotrain.config import as_container
-
 log = logging.getLogger("zerotrain")
+
+
+class WandbMode(StrEnum):
+    auto = "auto"  # online with an API key (WANDB_API_KEY or ~/.netrc), offline without
+    online = "online"
+    offline = "offline"  # written under <run dir>/wandb; `wandb sync` uploads it later
+    disabled = "disabled"
+
+
+@dataclass
+class WandbConfig:
+    """The ``wandb`` section: where rank 0 logs in Weights & Biases (metrics.jsonl is written either way)."""
+
+    enabled: bool = True
+    """Log to W&B at all."""
+    project: str = "zerotrain"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B user or team; None: the API key's default."""
+    group: Optional[str] = None
+    """W&B group, e.g. the variants of one sweep."""
+    name: Optional[str] = None
+    """The run's display name; None: run.name."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags."""
+    mode: WandbMode = WandbMode.auto
+    """auto | online | offline | disabled."""
 
 
 def setup_console(rank: int) -> None:
@@ -82,25 +107,29 @@ def _has_wandb_key() -> bool:
 
 
 def wandb_mode(requested: str) -> str:
-    if requested == "auto":
+    if requested == WandbMode.auto:
         return "online" if _has_wandb_key() else "offline"
-    return requested
+    return str(requested)
 
 
 class WandbMetrics:
-    """A thin wrapper: init (or resume) the run, log with our step as the x axis, finish."""
+    """A thin wrapper: init (or resume) the run, log with our step as the x axis, finish.
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, run_id: Optional[str]):
+    ``run_config`` is the whole resolved run config as plain data, stored as the W&B run's config.
+    """
+
+    def __init__(self, section: WandbConfig, run_name: str, run_config: dict[str, Any], run_dir: Path,
+                 run_id: Optional[str]):
         import wandb
 
-        mode = wandb_mode(cfg.wandb.mode)
+        mode = wandb_mode(section.mode)
         self.run = wandb.init(
-            project=cfg.wandb.project,
-            entity=cfg.wandb.entity,
-            group=cfg.wandb.group,
-            name=cfg.wandb.name or cfg.run.name,
-            tags=list(cfg.wandb.tags),
-            config=as_container(cfg),
+            project=section.project,
+            entity=section.entity,
+            group=section.group,
+            name=section.name or run_name,
+            tags=list(section.tags),
+            config=run_config,
             dir=str(run_dir),
             id=run_id,
             resume="allow",
@@ -122,15 +151,19 @@ class WandbMetrics:
 
 
 class MetricsLogger:
-    """Fan a record out to the console, the JSONL file and W&B (rank 0 only; other ranks log nothing)."""
+    """Fan a record out to the console, the JSONL file and W&B (rank 0 only; other ranks log nothing).
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, is_main: bool, resume_step: Optional[int],
-                 wandb_run_id: Optional[str]):
+    ``run_name`` is W&B's default display name, ``run_config`` (plain data) the W&B run's config, ``total_steps``
+    the denominator of the console's ``step N/total``.
+    """
+
+    def __init__(self, wandb: WandbConfig, run_dir: Path, is_main: bool, resume_step: Optional[int],
+                 wandb_run_id: Optional[str], *, run_name: str, run_config: dict[str, Any], total_steps: int):
         self.is_main = is_main
-        self.total_steps = cfg.train.steps
+        self.total_steps = total_steps
         self.jsonl = JsonlMetrics(run_dir / "metrics.jsonl", resume_step) if is_main else None
-        enabled = is_main and cfg.wandb.enabled and wandb_mode(cfg.wandb.mode) != "disabled"
-        self.wandb = WandbMetrics(cfg, run_dir, wandb_run_id) if enabled else None
+        enabled = is_main and wandb.enabled and wandb_mode(wandb.mode) != WandbMode.disabled
+        self.wandb = WandbMetrics(wandb, run_name, run_config, run_dir, wandb_run_id) if enabled else None
 
     @property
     def wandb_run_id(self) -> Optional[str]:

@@ -6,24 +6,92 @@ model must never materialise whole on one rank, so it is built inside ``deepspee
 ``from_pretrained`` *and* runs its own weight initialisation on the gathered parameters. A bare ``zero.Init``
 around ``LlamaForCausalLM(cfg)`` would skip that initialisation silently (weights would stay at torch's defaults),
 which is why nothing here constructs the model class directly.
+
+The ``model`` section of the run config (:class:`ModelConfig`) is declared here, with the checks transformers itself
+runs on a shape (:func:`validate_model`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
-from zerotrain.config import ModelConfig
+from zerotrain.errors import ConfigError
+from zerotrain.fields import bounded
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "falcon": FalconForCausalLM}
+
+class ModelFamily(StrEnum):
+    llama = "llama"  # Llama-2 (LlamaForCausalLM)
+    falcon = "falcon"  # Falcon (FalconForCausalLM)
+
+
+@dataclass
+class ModelConfig:
+    """The ``model`` section: which architecture and shape (``configs/model/*.yaml``), or a checkpoint to start from."""
+
+    family: ModelFamily = ModelFamily.llama
+    """The architecture: llama | falcon."""
+    pretrained_path: str | None = None
+    """A local Hugging Face checkpoint directory to fine-tune from; None trains the shape below from scratch."""
+    hidden_size: int = bounded(4096, ge=1)
+    """Width of the residual stream; a multiple of num_heads."""
+    num_layers: int = bounded(32, ge=1)
+    """Decoder blocks."""
+    num_heads: int = bounded(32, ge=1)
+    """Attention (query) heads."""
+    num_kv_heads: int | None = bounded(None, ge=1)
+    """Key/value heads, dividing num_heads (grouped-query attention); None: multi-head attention (= num_heads)."""
+    intermediate_size: int | None = bounded(None, ge=1)
+    """Width of the MLP; None: the family's default (Llama: SwiGLU's 8/3 * hidden rounded to 256; Falcon: 4 * hidden)."""
+    vocab_size: int = bounded(32000, ge=1)
+    """Rows of the embedding; at least the tokenizer's vocabulary (checked when the data is opened)."""
+    max_seq_len: int = bounded(4096, ge=1)
+    """Longest sequence the position embedding (RoPE) is set up for; train.seq_len may not exceed it."""
+    norm_eps: float = bounded(1e-5, gt=0)
+    """Epsilon of the RMSNorm (Llama) / LayerNorm (Falcon)."""
+    rope_theta: float = bounded(10000.0, gt=0)
+    """Base of the rotary position embedding's frequencies."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    initializer_range: float = bounded(0.02, ge=0, le=1)
+    """Standard deviation of Hugging Face's weight initialisation (transformers accepts [0, 1])."""
+    parallel_attn: bool = True
+    """Falcon only: attention and MLP side by side in each block (see transformers' FalconConfig)."""
+    new_decoder_architecture: bool = False
+    """Falcon only: 40B/180B's block layout with grouped key/value heads."""
+    bias: bool = False
+    """Falcon only: biases in the linear layers."""
+    published_params: float | None = bounded(None, gt=0)
+    """Published parameter count of this shape, checked by the tests; None for shapes of our own."""
+
+
+def validate_model(model: ModelConfig) -> None:
+    """Build the Hugging Face config of the shape: transformers' own checks (ranges, head counts) run here."""
+    if model.hidden_size % model.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}"
+        )
+    if model.num_kv_heads and model.num_heads % model.num_kv_heads:
+        raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by "
+                          f"model.num_kv_heads={model.num_kv_heads} (grouped-query attention)")
+    try:
+        hf_config(model)
+    except Exception as e:  # noqa: BLE001 -- transformers raises its own validation error types
+        detail = " ".join(str(e).split())
+        raise ConfigError(f"invalid model section for {model.family}: {detail}") from None
+
+
+MODEL_CLASSES = {ModelFamily.llama: LlamaForCausalLM, ModelFamily.falcon: FalconForCausalLM}
 
 
 def hf_config(model: ModelConfig) -> PretrainedConfig:
     """Our model section -> the Hugging Face config of the same shape."""
     rope = {"rope_type": "default", "rope_theta": model.rope_theta}
-    if model.family == "llama":
+    if model.family == ModelFamily.llama:
         return LlamaConfig(
             vocab_size=model.vocab_size,
             hidden_size=model.hidden_size,

@@ -15,32 +15,31 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from zerotrain import comm_accounting  # noqa: E402
-from zerotrain.config import parse_args  # noqa: E402
 from zerotrain.launch.layout import deepspeed_hpz_group_ranks, layout_summary  # noqa: E402
-from zerotrain.trainer import Trainer  # noqa: E402
+from zerotrain.run_config import parse_args  # noqa: E402
+from zerotrain.trainer import StepCallback, Trainer  # noqa: E402
+
+
+class CountPerStep(StepCallback):
+    """After every optimizer step, before anything else the loop does: its time and its job-wide byte counts."""
+
+    def __init__(self):
+        self.per_step: list[dict] = []
+        self.step_times: list[float] = []
+
+    def on_step_end(self, trainer, step, result):
+        self.step_times.append(result.seconds)
+        self.per_step.append(comm_accounting.snapshot_and_reset(all_ranks=True))
 
 
 def run_variant(argv: list[str]) -> dict:
-    cfg = parse_args(argv)
-    trainer = Trainer(cfg)
+    counts = CountPerStep()
+    trainer = Trainer(parse_args(argv), callbacks=[counts])
     comm_accounting.install(trainer.layout)
-    per_step: list[dict] = []
-    step_times: list[float] = []
-    original_step = trainer._train_step
-
-    def counted_step():
-        t0 = time.perf_counter()
-        result = original_step()
-        step_times.append(time.perf_counter() - t0)
-        per_step.append(comm_accounting.snapshot_and_reset(all_ranks=True))
-        return result
-
-    trainer._train_step = counted_step
     try:
         rc = trainer.fit()
     finally:
@@ -55,8 +54,8 @@ def run_variant(argv: list[str]) -> dict:
              else int(p.ds_secondary_tensor.ds_numel), "element_size": p.ds_tensor.element_size()}
             for n, p in trainer.engine.module.named_parameters()
         ],
-        "per_step": per_step,
-        "step_times": step_times,
+        "per_step": counts.per_step,
+        "step_times": counts.step_times,
     }
     trainer.engine.destroy()
     return result

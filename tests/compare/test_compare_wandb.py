@@ -13,8 +13,9 @@ from omegaconf import OmegaConf
 from compare_helpers import record
 from zerotrain import compare
 from zerotrain.compare import CompareError
-from zerotrain.config import Config
+from zerotrain.config import as_container
 from zerotrain.loggers import MetricsLogger
+from zerotrain.run_config import Config
 
 LOSSES = {1: 2.5, 2: 2.25, 3: 1.0 / 3.0, 4: 2.0, 5: math.nan, 6: 0.1 + 0.2}
 
@@ -41,14 +42,16 @@ def wandb_run(tmp_path_factory):
         run_dir = work / cfg.run.name
         run_dir.mkdir()
 
-        first = MetricsLogger(cfg, run_dir, is_main=True, resume_step=None, wandb_run_id=None)
+        sections = {"run_name": cfg.run.name, "run_config": as_container(cfg), "total_steps": cfg.train.steps}
+        wandb = OmegaConf.to_object(cfg.wandb)
+        first = MetricsLogger(wandb, run_dir, is_main=True, resume_step=None, wandb_run_id=None, **sections)
         run_id = first.wandb_run_id
         for step in range(1, 6):
             first.log_train(step, metrics(step, LOSSES[step] + 1.0 if step >= 4 else LOSSES[step]))
         first.log_event(3, {"val/loss": 1.75, "val/ppl": math.exp(1.75)}, "validation")
         first.close()
 
-        second = MetricsLogger(cfg, run_dir, is_main=True, resume_step=3, wandb_run_id=run_id)
+        second = MetricsLogger(wandb, run_dir, is_main=True, resume_step=3, wandb_run_id=run_id, **sections)
         for step in range(4, 7):
             second.log_train(step, metrics(step, LOSSES[step]))
         second.close()

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from launch_utils import REPO
-from zerotrain import config
+from zerotrain import config, run_config
 
 SCRIPT = REPO / "scripts" / "paper_sweep.sh"
 TRAIN_SBATCH = str(REPO / "slurm" / "train.sbatch")
@@ -79,7 +79,7 @@ def test_each_submitted_variant_composes_to_its_mode(model):
     composed = {}
     for job, variant in zip(commands("--group", "g", model), VARIANTS):
         recipe, overrides = recipe_args(job)
-        composed[variant] = config.compose(recipe, overrides)
+        composed[variant] = run_config.compose(recipe, overrides)
     zero3 = composed["zero3"]
     assert zero3.zero.zero_hpz_partition_size == 1
     for mode in ("stock", "sync", "ordered"):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from zerotrain.data.errors import DataError
 from zerotrain.data.loader import EpochOrder, build_loader, build_valid_loader, has_split
 from zerotrain.data.prepare import PrepareConfig, TokenizerArgs, prepare
+from zerotrain.errors import DataError
 
 SEQ = 64
 

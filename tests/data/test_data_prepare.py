@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zerotrain.data.errors import DataError
 from zerotrain.data.prepare import PrepareConfig, TokenizerArgs, is_valid, prepare
 from zerotrain.data.shards import PreparedDataset, token_dtype
 from zerotrain.data.sources import iter_file_records
 from zerotrain.data.tokenizer import file_sha256, load_tokenizer
+from zerotrain.errors import DataError
 
 
 def run(tmp_path: Path, name: str = "out", **arguments):

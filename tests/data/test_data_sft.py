@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from zerotrain.data.errors import DataError
 from zerotrain.data.loader import IGNORE_INDEX, build_loader
 from zerotrain.data.prepare import PrepareConfig, TokenizerArgs, prepare
 from zerotrain.data.sft import format_example
 from zerotrain.data.sources import Record
 from zerotrain.data.tokenizer import load_tokenizer
+from zerotrain.errors import DataError
 
 QA = {"prompt": "What is the capital of France?", "response": "Paris, of course."}
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain.data.errors import DataError
 from zerotrain.data.tokenizer import TransformersTokenizer, as_tokenizer, load_tokenizer, train_sentencepiece
+from zerotrain.errors import DataError
 
 # Text that exercises what a tokenizer can get wrong: unicode outside the training text, runs of whitespace, tabs,
 # newlines, digits, leading/trailing spaces, and strings that look like special tokens.

@@ -2,7 +2,8 @@
 
 import pytest
 
-from zerotrain.config import FRAGMENTS_DIR, available, compose
+from zerotrain.config import FRAGMENTS_DIR, available
+from zerotrain.run_config import compose
 
 
 @pytest.mark.parametrize("name", available(FRAGMENTS_DIR / "cluster"))

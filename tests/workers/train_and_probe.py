@@ -1,6 +1,7 @@
 """Train through the real Trainer (as train.py does), then record the engine's logits on a fixed batch.
 
-The logits let a test compare the DeepSpeed ZeRO-3 model with its Hugging Face export, token for token.
+The logits let a test compare the DeepSpeed ZeRO-3 model with its Hugging Face export, token for token. A step
+callback records what it was shown around every step, for the test of the trainer's per-step hook.
 Usage: torchrun ... tests/workers/train_and_probe.py <probe.pt> key=value ...
 """
 
@@ -8,13 +9,25 @@ import sys
 
 import torch
 
-from zerotrain import config
-from zerotrain.trainer import Trainer
+from zerotrain.run_config import parse_args
+from zerotrain.trainer import StepCallback, Trainer
+
+
+class RecordSteps(StepCallback):
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    def on_step_begin(self, trainer, step):
+        self.events.append(("begin", step, trainer.state.step))
+
+    def on_step_end(self, trainer, step, result):
+        self.events.append(("end", step, trainer.state.step, result.loss, result.lr, result.seconds > 0))
 
 
 def main() -> int:
     probe_path, argv = sys.argv[1], sys.argv[2:]
-    trainer = Trainer(config.parse_args(argv))
+    steps = RecordSteps()
+    trainer = Trainer(parse_args(argv), callbacks=[steps])
     code = trainer.fit()
     vocab = trainer.cfg.model.vocab_size
     input_ids = (torch.arange(2 * 24).reshape(2, 24) * 37 + 5) % vocab
@@ -22,7 +35,7 @@ def main() -> int:
     with torch.no_grad():  # a ZeRO-3 forward is collective: every rank runs it
         logits = trainer.engine(input_ids=input_ids.to(trainer.device)).logits.float().cpu()
     if trainer.dist.is_main:
-        torch.save({"input_ids": input_ids, "logits": logits}, probe_path)
+        torch.save({"input_ids": input_ids, "logits": logits, "step_events": steps.events}, probe_path)
     return code
 
 

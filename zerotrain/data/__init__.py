@@ -10,9 +10,10 @@ Modules, one job each:
 * :mod:`~zerotrain.data.prepare` — the preparation run behind ``data/prepare.py``.
 * :mod:`~zerotrain.data.loader` — training/validation batches: data-parallel, resumable, blended.
 
-Every user-fixable problem raises :class:`DataError` with a message naming the file and the remedy.
+Every user-fixable problem raises :class:`~zerotrain.errors.DataError` with a message naming the file and the
+remedy. The run config's ``data`` section is :class:`~zerotrain.data.loader.DataConfig`.
 """
 
-from zerotrain.data.errors import DataError
+from zerotrain.errors import DataError
 
 __all__ = ["DataError"]

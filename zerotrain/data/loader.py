@@ -29,22 +29,57 @@ most, so any prefix of the stream follows the weights to within one sample per s
 
 Reads are memory-mapped (``np.memmap``); what is held in memory is per-source indices: one epoch's permutation
 (8 bytes a sample) and, for document-based samples, the document offsets (8 bytes a document).
+
+The ``data`` section of the run config (:class:`DataConfig`) is declared here.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
-from zerotrain.data.errors import DataError
 from zerotrain.data.shards import MANIFEST, PreparedDataset, SplitReader
+from zerotrain.errors import DataError
+from zerotrain.fields import bounded
 
 IGNORE_INDEX = -100  # labels the loss skips (Hugging Face / PyTorch cross-entropy convention)
 STATE_VERSION = 1
+
+
+class DataKind(StrEnum):
+    pretrain = "pretrain"  # documents back to back, the loss on every token
+    sft = "sft"  # prompt/response examples, the loss on responses only
+
+
+@dataclass
+class DataSourceConfig:
+    """One training source of a blend."""
+
+    path: str = "???"
+    """A directory written by data/prepare.py."""
+    weight: float = bounded(1.0, gt=0)
+    """Share of the blend, relative to the other sources' weights."""
+
+
+@dataclass
+class DataConfig:
+    """The ``data`` section (``configs/data/*.yaml``): what the run trains and validates on."""
+
+    kind: DataKind = DataKind.pretrain
+    """pretrain | sft; must match how the directories were prepared."""
+    train: list[DataSourceConfig] = bounded(
+        factory=list, min_length=1, hint="name at least one prepared data directory (see data/prepare.py)")
+    """The training sources, blended by weight."""
+    valid: Optional[str] = None
+    """A prepared validation directory; None uses the 'valid' split of the first train source if it has one."""
+    packing: bool = True
+    """sft: pack several examples into one sequence, or pad each to train.seq_len."""
 
 
 # --------------------------------------------------------------------------------------------------------------

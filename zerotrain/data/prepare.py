@@ -27,7 +27,6 @@ from typing import Callable, Iterator, Optional
 from tqdm import tqdm
 
 from zerotrain.data import sft
-from zerotrain.data.errors import DataError
 from zerotrain.data.shards import FORMAT_NAME, FORMAT_VERSION, SplitWriter, token_dtype, write_manifest
 from zerotrain.data.sources import (
     TXT_SPLITS,
@@ -40,6 +39,7 @@ from zerotrain.data.sources import (
     text_of,
 )
 from zerotrain.data.tokenizer import DATASET_TOKENIZER_DIR, Tokenizer, load_tokenizer, train_sentencepiece
+from zerotrain.errors import DataError
 
 KINDS = ("pretrain", "sft")
 

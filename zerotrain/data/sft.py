@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from zerotrain.data.errors import DataError
 from zerotrain.data.sources import Record
 from zerotrain.data.tokenizer import Tokenizer
+from zerotrain.errors import DataError
 
 TEMPLATES = ("llama2", "plain")
 ROLES = ("system", "user", "assistant")

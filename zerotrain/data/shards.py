@@ -31,8 +31,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from zerotrain.data.errors import DataError
 from zerotrain.data.tokenizer import file_sha256
+from zerotrain.errors import DataError
 
 FORMAT_NAME = "zerotrain-tokens"
 FORMAT_VERSION = 1

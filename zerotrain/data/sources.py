@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from zerotrain.data.errors import DataError
 from zerotrain.data.tokenizer import file_sha256
+from zerotrain.errors import DataError
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl",)

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from zerotrain.data.errors import DataError
+from zerotrain.errors import DataError
 
 SENTENCEPIECE = "sentencepiece"
 TOKENIZER_JSON = "tokenizer_json"

@@ -3,13 +3,12 @@
 Every error a user can cause with bad input (a wrong path, a typo in a subject,
 a malformed data row, a prompt that cannot fit) has its own type, so callers can
 catch them, and a message that names the file/line/key and what would be valid.
+Their base, :class:`~zerotrain.errors.EvaluationError`, is a user error (exit code 2).
 """
 
 from __future__ import annotations
 
-
-class EvaluationError(Exception):
-    """Base class of all errors raised by zerotrain.evaluation."""
+from zerotrain.errors import EvaluationError
 
 
 class MMLUDataError(EvaluationError, ValueError):

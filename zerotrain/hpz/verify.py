@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import deepspeed.comm as dist
 
+from zerotrain.errors import HpzVerificationError
+
 from . import counting
 
 # ds_id -> (qualified name, weak reference to the owning engine). ds_ids are
@@ -33,10 +35,6 @@ from . import counting
 _param_info: Dict[int, Tuple[str, Any]] = {}
 
 _WEIGHT_MOD = 65521  # keeps position weights small; any fixed modulus works
-
-
-class HpzVerificationError(RuntimeError):
-    """A secondary shard disagrees with the primary partitions it should mirror."""
 
 
 def register_engine(engine: Any) -> None:

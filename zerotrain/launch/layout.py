@@ -22,15 +22,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zerotrain.errors import LayoutError
+
 HPZ_KEY = "zero_hpz_partition_size"
 # One machine-readable line on rank 0 (tests and log scrapers read it): LAYOUT_LOG_PREFIX + JSON.
 LAYOUT_LOG_PREFIX = "node layout: "
 
 log = logging.getLogger("zerotrain")
-
-
-class LayoutError(RuntimeError):
-    """Ranks are not laid out the way hpZ (or the rest of the trainer) needs; the message shows the layout."""
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
-# EX_TEMPFAIL from sysexits.h ("temporary failure; the user is invited to retry"): not used by Python (1, 2), by
-# shells (126, 127, 128+n) or by torchrun, so it cannot be confused with a crash. Every rank exits with it after
-# the preemption checkpoint is saved; slurm/train.sbatch requeues the job when srun returns it.
-REQUEUE_EXIT_CODE = 75
+from zerotrain.errors import EXIT_REQUEUE
+
+# Every rank exits with it after the preemption checkpoint is saved; slurm/train.sbatch requeues the job when srun
+# returns it (75, EX_TEMPFAIL: see zerotrain/errors.py).
+REQUEUE_EXIT_CODE = EXIT_REQUEUE
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 

@@ -22,13 +22,11 @@ import threading
 import time
 from collections.abc import Mapping
 
+from zerotrain.errors import RendezvousError
+
 # Rank 0 must import torch/DeepSpeed before its store listens; on a cold shared file system that can take minutes.
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "ZEROTRAIN_RENDEZVOUS_TIMEOUT"
-
-
-class RendezvousError(RuntimeError):
-    """The rendezvous address is unusable from this node; the message says what to check."""
 
 
 def _where(environ: Mapping[str, str]) -> str:

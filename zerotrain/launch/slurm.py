@@ -25,6 +25,8 @@ import subprocess
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
+from zerotrain.errors import SlurmEnvError
+
 # Ports below 20000 collide with well-known daemons (slurmd 6818, ...); 32768+ is Linux's ephemeral range, which
 # the kernel hands out to outgoing connections and so could already be taken on the master node.
 MASTER_PORT_BASE = 20000
@@ -33,10 +35,6 @@ MASTER_PORT_SPAN = 10000
 MASTER_PORT_OVERRIDE = "ZEROTRAIN_MASTER_PORT"
 
 HostnameExpander = Callable[[str], list[str]]
-
-
-class SlurmEnvError(RuntimeError):
-    """The SLURM environment is incomplete or inconsistent; the message says which variable and why."""
 
 
 @dataclass(frozen=True)

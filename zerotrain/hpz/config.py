@@ -1,0 +1,29 @@
+"""The ``hpz`` section of the run config: which treatment of hpZ's shard race a run uses, and verification.
+
+It only matters when ``zero.zero_hpz_partition_size`` > 1; the trainer then calls
+``zerotrain.hpz.install(mode=..., verify=...)`` before the model is built (see docs/hpz.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class HpzMode(StrEnum):
+    """The members are :data:`zerotrain.hpz.MODES` (a test keeps the two the same)."""
+
+    stock = "stock"  # DeepSpeed <= 0.13.4: racy, reproduces the failure (DeepSpeed issue #5059)
+    sync = "sync"  # the host waits after every shard copy: the paper's fix, DeepSpeed today
+    ordered = "ordered"  # ours: the all-gather stream waits on an event recorded after each copy
+
+
+@dataclass
+class HpzConfig:
+    """The ``hpz`` section."""
+
+    mode: HpzMode = HpzMode.ordered
+    """stock | sync | ordered."""
+    verify: bool = False
+    """Check every secondary shard against the primary partitions before it is read (costs one small all-gather
+    per shard-reading all-gather); a mismatch stops the run with exit code 4."""
