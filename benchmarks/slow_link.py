@@ -4,7 +4,7 @@
     sudo .venv/bin/python benchmarks/slow_link.py                       # ~8 min on 2 cores
     sudo .venv/bin/python benchmarks/slow_link.py --rates 50,unshaped --steps 6 --out-dir runs/slow_link
 
-One launch of 2 emulated nodes x 2 processes (``zerotrain.emulate``: a network namespace per node, ``tc``-shaped
+One launch of 2 emulated nodes x 2 processes (``tools.emulate``: a network namespace per node, ``tc``-shaped
 veth links, intra-node traffic over each namespace's loopback) runs every (bandwidth, variant) pair one after
 the other in the same processes, with the real trainer (``zerotrain.trainer.Trainer``) on a small Llama
 (hidden 256, 4 layers, 4.0M parameters: 16 MB of fp32 weights, so each step moves tens of MB between nodes) and
@@ -17,7 +17,7 @@ step time, tokens/s, the speed-up over plain ZeRO-3 at that bandwidth, the inter
 accounting's logical model (received from other nodes, all ranks; see ``zerotrain/comm_accounting.py``), and the
 bytes that really left the nodes' interfaces per step (``/proc/net/dev`` of each namespace's eth0: gloo's ring
 algorithms plus TCP/IP headers). Every run's ``metrics.jsonl`` is in ``<out-dir>/runs/<rate>-<variant>/``, for
-``scripts/compare_runs.py``.
+``python -m tools.compare``.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def figure(results: list[dict], path: Path) -> None:
 def parent(args) -> int:
     import subprocess
 
-    from zerotrain.emulate import EmulatedCluster, EmulatorError, SignalExit, install_signal_handlers, parse_rate
+    from tools.emulate import EmulatedCluster, EmulatorError, SignalExit, install_signal_handlers, parse_rate
 
     out = Path(args.out_dir).resolve()
     ctl = out / "control"
@@ -219,7 +219,7 @@ def parent(args) -> int:
         worker_args = [str(Path(__file__).resolve()), "--worker", "--out-dir", str(out), "--data", str(data),
                        "--rates", args.rates, "--variants", args.variants, "--steps", str(args.steps),
                        "--warmup", str(args.warmup)]
-        from zerotrain.emulate import torchrun_argv
+        from tools.emulate import torchrun_argv
 
         procs = [cluster.popen(i, torchrun_argv(sys.executable, cluster, i, 2, port, worker_args),
                                env={**CPU_ENV, **cluster.node_env(i, port)}, cwd=REPO,

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from comm_launch import COMM_ENV, HERE, REPO
-from zerotrain import emulate
-from zerotrain.emulate import EmulatedCluster, EmulatorError, check_host
+from tools import emulate
+from tools.emulate import EmulatedCluster, EmulatorError, check_host
 
 
 def _emulator_unavailable() -> str | None:
@@ -86,8 +86,8 @@ def test_script_refuses_without_root_clearly():
     else:
         prefix = []
     before = _zt_namespaces() if os.geteuid() == 0 else set()
-    proc = subprocess.run([*prefix, sys.executable, str(REPO / "scripts" / "emulate_cluster.py"), "--nodes", "2",
-                           "--", "true"], capture_output=True, text=True, timeout=60, cwd="/")
+    proc = subprocess.run([*prefix, sys.executable, "-m", "tools.emulate", "--nodes", "2", "--", "true"],
+                          capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "needs root" in proc.stderr
     if os.geteuid() == 0:
@@ -161,7 +161,7 @@ def test_interrupt_cleans_up(tmp_path, sig, code):
     """The CLI interrupted while its nodes run: the processes inside are killed and every namespace is deleted."""
     before = _zt_namespaces()
     marker = f"zt-test-sleep-{os.getpid()}-{int(sig)}"
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "emulate_cluster.py"), "--nodes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.emulate", "--nodes", "2",
                              "--rate", "100mbit", "--", "sh", "-c", f"echo {marker}; exec sleep 300"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
     deadline = time.time() + 60
