@@ -33,6 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tools import launcher  # noqa: E402
+
 VARIANTS = {  # name -> overrides
     "zero3": ["zero=zero3_cpu"],
     "hpz-stock": ["zero=zero3_hpz_cpu", "hpz.mode=stock"],
@@ -43,9 +45,6 @@ MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.intermediate_size
 # Little compute per step (2 x 64 tokens per rank): the communication is what is measured.
 TRAIN = ["train.micro_batch_size=2", "train.seq_len=64", "train.eval_interval=0", "train.log_interval=1",
          "wandb.enabled=false", "checkpoint.save_final=false", "checkpoint.resume=false", "schedule.warmup_steps=2"]
-CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
 
 
 def rate_label(rate: str) -> str:
@@ -204,9 +203,9 @@ def parent(args) -> int:
     data = Path(args.data).resolve()
     if not (data / "manifest.json").is_file():
         print(f"[slow_link] preparing {data}", flush=True)
-        subprocess.run([sys.executable, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt",
-                        f"output={data}", "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"],
-                       cwd=REPO, check=True)
+        launcher.run([launcher.PYTHON, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt",
+                      f"output={data}", "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"],
+                     timeout=1800)
     rates = args.rates.split(",")
     for r in rates:
         parse_rate(r)  # refuse a bad rate before anything starts
@@ -222,7 +221,7 @@ def parent(args) -> int:
         from tools.emulate import torchrun_argv
 
         procs = [cluster.popen(i, torchrun_argv(sys.executable, cluster, i, 2, port, worker_args),
-                               env={**CPU_ENV, **cluster.node_env(i, port)}, cwd=REPO,
+                               env={**launcher.CPU_ENV, **cluster.node_env(i, port)}, cwd=REPO,
                                stdout=open(out / f"node{i}.log", "w"), stderr=subprocess.STDOUT)
                  for i in range(2)]
         done = set()

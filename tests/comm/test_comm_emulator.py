@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from comm_launch import COMM_ENV, HERE, REPO
 from tools import emulate
 from tools.emulate import EmulatedCluster, EmulatorError, check_host
+from tools.launcher import CPU_ENV, REPO
+
+HERE = Path(__file__).resolve().parent
 
 
 def _emulator_unavailable() -> str | None:
@@ -120,7 +122,7 @@ def test_gloo_across_emulated_nodes_crosses_shaped_link_only_between_nodes(tmp_p
         assert created <= _zt_namespaces()
         for node in range(2):
             for local in range(2):
-                env = {**COMM_ENV, **cluster.node_env(node, 29500), "RANK": str(node * 2 + local),
+                env = {**CPU_ENV, **cluster.node_env(node, 29500), "RANK": str(node * 2 + local),
                        "WORLD_SIZE": "4", "LOCAL_RANK": str(local)}
                 procs.append(cluster.popen(node, [sys.executable, str(HERE / "worker_emulated_allreduce.py"),
                                                   str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.PIPE,

@@ -4,7 +4,6 @@ parity check (--assert-equal), the W&B online conversion (a stand-in API) and cl
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from compare_helpers import FakeApi, FakeHistoryRun, record, write_run
 from tools import compare
 from tools.compare import CompareError
+from tools.launcher import run
 from zerotrain.loggers import WANDB_STEP_KEY
 
 STEPS = list(range(10, 101, 10))  # log_interval 10, 100 steps
@@ -221,8 +221,7 @@ def test_command_line(runs, tmp_path, how):
     command = COMMANDS[how]
     assert Path(command[0]).is_file(), f"{command[0]} missing: run .venv/bin/python -m pip install --no-deps -e ."
     out = tmp_path / "cli.png"
-    proc = subprocess.run([*command, f"zero3={runs['zero3']}", f"hpz={runs['hpz']}", "--baseline", "zero3",
-                           "-o", str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    proc = run([*command, f"zero3={runs['zero3']}", f"hpz={runs['hpz']}", "--baseline", "zero3", "-o", out],
+               timeout=120, cwd=tmp_path)
     assert "| hpz | 100 (10 logged) |" in proc.stdout and "200.0%" in proc.stdout
     assert out.stat().st_size > 0
