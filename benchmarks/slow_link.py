@@ -30,10 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from tools import launcher
 
-from tools import launcher  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 VARIANTS = {  # name -> overrides
     "zero3": ["zero=zero3_cpu"],

@@ -17,12 +17,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from zerotrain import comm_accounting  # noqa: E402
-from zerotrain.config import parse_args  # noqa: E402
-from zerotrain.launch.layout import deepspeed_hpz_group_ranks, layout_summary  # noqa: E402
-from zerotrain.trainer import Trainer  # noqa: E402
+from zerotrain import comm_accounting
+from zerotrain.config import parse_args
+from zerotrain.launch.layout import deepspeed_hpz_group_ranks, layout_summary
+from zerotrain.trainer import Trainer
 
 
 def run_variant(argv: list[str]) -> dict:
