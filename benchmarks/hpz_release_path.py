@@ -28,9 +28,6 @@ from types import SimpleNamespace
 
 import torch
 
-# Runnable as a plain script from anywhere: make the repository's zerotrain importable.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def die(msg: str) -> None:
     print(f"hpz_release_path.py: {msg}", file=sys.stderr)

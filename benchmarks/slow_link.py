@@ -4,7 +4,7 @@
     sudo .venv/bin/python benchmarks/slow_link.py                       # ~8 min on 2 cores
     sudo .venv/bin/python benchmarks/slow_link.py --rates 50,unshaped --steps 6 --out-dir runs/slow_link
 
-One launch of 2 emulated nodes x 2 processes (``zerotrain.emulate``: a network namespace per node, ``tc``-shaped
+One launch of 2 emulated nodes x 2 processes (``tools.emulate``: a network namespace per node, ``tc``-shaped
 veth links, intra-node traffic over each namespace's loopback) runs every (bandwidth, variant) pair one after
 the other in the same processes, with the real trainer (``zerotrain.trainer.Trainer``) on a small Llama
 (hidden 256, 4 layers, 4.0M parameters: 16 MB of fp32 weights, so each step moves tens of MB between nodes) and
@@ -17,7 +17,7 @@ step time, tokens/s, the speed-up over plain ZeRO-3 at that bandwidth, the inter
 accounting's logical model (received from other nodes, all ranks; see ``zerotrain/comm_accounting.py``), and the
 bytes that really left the nodes' interfaces per step (``/proc/net/dev`` of each namespace's eth0: gloo's ring
 algorithms plus TCP/IP headers). Every run's ``metrics.jsonl`` is in ``<out-dir>/runs/<rate>-<variant>/``, for
-``scripts/compare_runs.py``.
+``python -m tools.compare``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+from tools import launcher
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 VARIANTS = {  # name -> overrides
     "zero3": ["zero=zero3_cpu"],
@@ -43,9 +44,6 @@ MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.intermediate_size
 # Little compute per step (2 x 64 tokens per rank): the communication is what is measured.
 TRAIN = ["train.micro_batch_size=2", "train.seq_len=64", "train.eval_interval=0", "train.log_interval=1",
          "wandb.enabled=false", "checkpoint.save_final=false", "checkpoint.resume=false", "schedule.warmup_steps=2"]
-CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
 
 
 def rate_label(rate: str) -> str:
@@ -198,7 +196,7 @@ def figure(results: list[dict], path: Path) -> None:
 def parent(args) -> int:
     import subprocess
 
-    from zerotrain.emulate import EmulatedCluster, EmulatorError, SignalExit, install_signal_handlers, parse_rate
+    from tools.emulate import EmulatedCluster, EmulatorError, SignalExit, install_signal_handlers, parse_rate
 
     out = Path(args.out_dir).resolve()
     ctl = out / "control"
@@ -210,9 +208,9 @@ def parent(args) -> int:
     data = Path(args.data).resolve()
     if not (data / "manifest.json").is_file():
         print(f"[slow_link] preparing {data}", flush=True)
-        subprocess.run([sys.executable, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt",
-                        f"output={data}", "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"],
-                       cwd=REPO, check=True)
+        launcher.run([launcher.PYTHON, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt",
+                      f"output={data}", "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"],
+                     timeout=1800)
     rates = args.rates.split(",")
     for r in rates:
         parse_rate(r)  # refuse a bad rate before anything starts
@@ -225,10 +223,10 @@ def parent(args) -> int:
         worker_args = [str(Path(__file__).resolve()), "--worker", "--out-dir", str(out), "--data", str(data),
                        "--rates", args.rates, "--variants", args.variants, "--steps", str(args.steps),
                        "--warmup", str(args.warmup)]
-        from zerotrain.emulate import torchrun_argv
+        from tools.emulate import torchrun_argv
 
         procs = [cluster.popen(i, torchrun_argv(sys.executable, cluster, i, 2, port, worker_args),
-                               env={**CPU_ENV, **cluster.node_env(i, port)}, cwd=REPO,
+                               env={**launcher.CPU_ENV, **cluster.node_env(i, port)}, cwd=REPO,
                                stdout=open(out / f"node{i}.log", "w"), stderr=subprocess.STDOUT)
                  for i in range(2)]
         done = set()

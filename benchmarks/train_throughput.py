@@ -8,36 +8,30 @@ on 4 CPU processes by default). Prints a Markdown table.
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-       "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"), "TOKENIZERS_PARALLELISM": "false"}
+from tools import launcher
+from tools.launcher import PYTHON, LaunchError
 
-
-def run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+NO_WANDB = {"WANDB_MODE": "disabled"}  # neither loop logs to W&B: nothing to time but the training
+TIMEOUT_S = 3600
 
 
 def prepare(out: Path) -> dict:
     started = time.perf_counter()
-    run([sys.executable, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt", f"output={out}",
-         "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"])
+    launcher.run([PYTHON, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt", f"output={out}",
+                  "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"], timeout=TIMEOUT_S)
     elapsed = time.perf_counter() - started
     manifest = json.loads((out / "manifest.json").read_text())
     tokens = sum(split["num_tokens"] for split in manifest["splits"].values())
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
 
 
-def torchrun(nproc: int, *args: str) -> None:
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args])
+def torchrun(nproc: int, script: str, *args: str) -> None:
+    launcher.torchrun(nproc, script, *args, env=NO_WANDB, timeout=TIMEOUT_S)
 
 
 def main() -> None:
@@ -76,4 +70,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except LaunchError as e:
+        sys.exit(f"error: {e}")

@@ -11,13 +11,10 @@ Usage (key=value arguments, the same grammar as train.py; see data/README.md and
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from zerotrain.config import ConfigError, parse_dataclass_args  # noqa: E402
-from zerotrain.data.prepare import PrepareConfig, prepare  # noqa: E402
-from zerotrain.errors import DataError  # noqa: E402
+from zerotrain.config import ConfigError, parse_dataclass_args
+from zerotrain.data.prepare import PrepareConfig, prepare
+from zerotrain.errors import DataError
 
 PROG = "data/prepare.py"
 

@@ -21,10 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from zerotrain.data.tokenizer import TransformersTokenizer  # noqa: E402
-from zerotrain.evaluation import (  # noqa: E402
+from zerotrain.data.tokenizer import TransformersTokenizer
+from zerotrain.evaluation import (
     EvaluationError,
     evaluate,
     format_table,

@@ -19,7 +19,7 @@
 #   --variants     a subset of zero3,hpz-stock,hpz-sync,hpz-ordered
 #   --dry-run      print the sbatch commands (one shell-quoted line each) and submit nothing
 #   --no-check     skip the pre-flight check (config, checkpoint and data directories, from this machine)
-# Afterwards: scripts/compare_runs.py --group <group> --project zerotrain-paper --baseline hpz-stock
+# Afterwards: python -m tools.compare --group <group> --project zerotrain-paper --baseline hpz-stock
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -115,5 +115,5 @@ fi
 # slurm/sweep.sh resolves train.sbatch itself; the jobs run from the submit directory, i.e. the repository.
 cd "$ROOT"
 "${SWEEP[@]}"
-echo "compare: scripts/compare_runs.py --group $GROUP --project zerotrain-paper --baseline hpz-stock" \
+echo "compare: python -m tools.compare --group $GROUP --project zerotrain-paper --baseline hpz-stock" \
      "(or --runs-root runs for the local run directories)"

@@ -1,12 +1,21 @@
-"""Every test process, and every process it launches, runs with the CPU environment of tests/launch_utils.py."""
+"""Every test process, and every process it launches, runs with the CPU environment of tools/launcher.py."""
 
 import os
+from pathlib import Path
 
 import pytest
 
-from launch_utils import CPU_ENV, prepare_shipped_corpus
+from tools.launcher import CPU_ENV, PYTHON, run
 
 os.environ.update(CPU_ENV)
+
+
+def prepare_shipped_corpus(out_dir: Path, vocab_size: int = 2048) -> Path:
+    """The shipped corpus through the real prepare command (the same one `make data` runs)."""
+    if not (out_dir / "manifest.json").is_file():
+        run([PYTHON, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt", f"output={out_dir}",
+             f"tokenizer.train_vocab_size={vocab_size}", "valid_fraction=0.02", "progress=false"], timeout=600)
+    return out_dir
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from launch_utils import PYTHON, run_command
+from tools.launcher import PYTHON, run
 from zerotrain import config, run_config
 from zerotrain.config import ConfigError
 from zerotrain.fields import Range, bounded, declared_range
@@ -89,8 +89,8 @@ def test_bad_overrides_are_named_with_a_suggestion(override, expected):
 
 
 def test_malformed_override_exits_nonzero_before_any_process_group(tmp_path):
-    proc = run_command([PYTHON, "train.py", "recipe=tiny_llama", f"run.output_dir={tmp_path}", "train.stepz=3"],
-                       check=False, timeout=120)
+    proc = run([PYTHON, "train.py", "recipe=tiny_llama", f"run.output_dir={tmp_path}", "train.stepz=3"],
+               check=False, timeout=120)
     assert proc.returncode == 2
     assert "Did you mean 'train.steps'?" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -98,15 +98,15 @@ def test_malformed_override_exits_nonzero_before_any_process_group(tmp_path):
 
 
 def test_missing_data_directory_is_a_clear_error(tmp_path):
-    proc = run_command([PYTHON, "train.py", "recipe=tiny_llama", f"run.output_dir={tmp_path}",
-                        f"data.train=[{{path: {tmp_path}/nowhere}}]"], check=False, timeout=120)
+    proc = run([PYTHON, "train.py", "recipe=tiny_llama", f"run.output_dir={tmp_path}",
+                f"data.train=[{{path: {tmp_path}/nowhere}}]"], check=False, timeout=120)
     assert proc.returncode == 2
     assert f"{tmp_path}/nowhere" in proc.stderr and "data/prepare.py" in proc.stderr
     assert not any(tmp_path.iterdir())
 
 
 def test_help_lists_recipes():
-    proc = run_command([PYTHON, "train.py", "--help"], timeout=60)
+    proc = run([PYTHON, "train.py", "--help"], timeout=60)
     assert "tiny_llama" in proc.stdout and "recipe=" in proc.stdout
 
 

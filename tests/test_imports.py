@@ -11,7 +11,7 @@ import ast
 import subprocess
 from pathlib import Path
 
-from launch_utils import PYTHON, REPO
+from tools.launcher import PYTHON, REPO
 
 PACKAGE = REPO / "zerotrain"
 # What the composition/override machinery may import from the package: the error types and the field declarations.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch_utils import PYTHON, run_command, torchrun
+from tools.launcher import PYTHON, run, torchrun
 
 STEPS = 16
 COMMON = ["recipe=tiny_llama", f"train.steps={STEPS}", "train.log_interval=1", "train.eval_interval=8",
@@ -149,7 +149,7 @@ def test_offline_export_command_writes_the_same_weights(uninterrupted, tmp_path)
     from safetensors.torch import load_file
 
     run_dir, _ = uninterrupted
-    run_command([PYTHON, "-m", "zerotrain.export", str(run_dir), str(tmp_path / "hf")], timeout=300)
+    run([PYTHON, "-m", "zerotrain.export", str(run_dir), str(tmp_path / "hf")], timeout=300)
     again, first = load_file(tmp_path / "hf" / "model.safetensors"), load_file(run_dir / "hf" / "model.safetensors")
     assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
 
@@ -162,8 +162,8 @@ def test_corrupt_checkpoint_fails_clearly_and_loses_nothing(resumed, tmp_path, s
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file())
     # One process is enough: the integrity check runs before the world-size check. (Under torchrun the ranks exit
     # with 2 too, but torchrun itself reports any failed rank as 1.)
-    proc = run_command([PYTHON, "train.py", *COMMON, "train.steps=20", f"run.output_dir={tmp_path}",
-                        "run.name=resumed", f"data.train.0.path={shakespeare}"], check=False, timeout=600)
+    proc = run([PYTHON, "train.py", *COMMON, "train.steps=20", f"run.output_dir={tmp_path}",
+                "run.name=resumed", f"data.train.0.path={shakespeare}"], check=False, timeout=600)
     assert proc.returncode == 2
     assert f"checkpoint file {victim} is corrupt" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -189,9 +189,9 @@ def test_standalone_mmlu_scores_a_training_run_directory(uninterrupted, tmp_path
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted[0], run_dir)
     report = tmp_path / "mmlu.json"
-    run_command([PYTHON, "evaluation/mmlu.py", "--checkpoint", str(run_dir), "--data", "data/mmlu/test.jsonl",
-                 "--subjects", "astronomy", "marketing", "world_religions", "--limit-per-subject", "3",
-                 "--shots", "2", "--batch-size", "4", "--output", str(report)], timeout=300)
+    run([PYTHON, "evaluation/mmlu.py", "--checkpoint", str(run_dir), "--data", "data/mmlu/test.jsonl",
+         "--subjects", "astronomy", "marketing", "world_religions", "--limit-per-subject", "3",
+         "--shots", "2", "--batch-size", "4", "--output", str(report)], timeout=300)
     assert (run_dir / "checkpoints" / "step_00000016" / "hf" / "config.json").is_file()
     standalone = json.loads(report.read_text())["overall"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -208,8 +208,8 @@ def test_sft_fine_tuning_starts_from_a_hugging_face_checkpoint(uninterrupted, sh
                           {"role": "assistant", "content": "To be, or not to be: that is the question."}]}]
     source = tmp_path / "sft.jsonl"
     source.write_text("".join(json.dumps(rows[i % 2]) + "\n" for i in range(32)))
-    run_command([PYTHON, "data/prepare.py", f"input={source}", f"output={tmp_path / 'sft'}", "kind=sft",
-                 f"tokenizer={shakespeare}", "valid_fraction=0", "progress=false"], timeout=120)
+    run([PYTHON, "data/prepare.py", f"input={source}", f"output={tmp_path / 'sft'}", "kind=sft",
+         f"tokenizer={shakespeare}", "valid_fraction=0", "progress=false"], timeout=120)
     torchrun(2, "train.py", "recipe=tiny_llama", "data.kind=sft", f"data.train.0.path={tmp_path / 'sft'}",
              f"model.pretrained_path={uninterrupted[0] / 'hf'}", "train.steps=3", "train.log_interval=1",
              "train.seq_len=64", "train.micro_batch_size=2", "optim.lr=1e-4", "schedule.warmup_steps=0",
@@ -234,10 +234,10 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_curve(uninterrup
     args = ["recipe=tiny_llama", "zero=zero3_cpu", f"data.train.0.path={shakespeare}",
             f"model.pretrained_path={poisoned}", "train.steps=3", "train.log_interval=10", "train.eval_interval=0",
             "wandb.enabled=false", f"run.output_dir={tmp_path}"]
-    stopped = run_command([PYTHON, "train.py", *args, "run.name=stop"], check=False, timeout=300)
+    stopped = run([PYTHON, "train.py", *args, "run.name=stop"], check=False, timeout=300)
     assert stopped.returncode == 3
     assert "non-finite loss (nan) at step 1" in stopped.stdout + stopped.stderr
     assert math.isnan(losses(tmp_path / "stop")[1])  # logged although step 1 is not a logging step
     assert not (tmp_path / "stop" / "checkpoints" / "latest").exists()
-    run_command([PYTHON, "train.py", *args, "run.name=continue", "train.nan_policy=continue"], timeout=300)
+    run([PYTHON, "train.py", *args, "run.name=continue", "train.nan_policy=continue"], timeout=300)
     assert sorted(losses(tmp_path / "continue")) == [1, 2, 3]

@@ -50,7 +50,7 @@ node boundaries for the collective's semantics — and it is what the ZeRO++ pap
 all-gather over node-contiguous ranks actually crosses each node boundary fewer times than the logical payload
 suggests (for 2 nodes x k ranks, 2(g-1)N crossing bytes in total against the logical 2k^2 N = g^2 N / 2), and a
 hierarchical algorithm differs again; the wire bytes of one run are what ``tc -s qdisc`` shows on the emulated
-cluster (``zerotrain.emulate``). For every rank: sum(recv) over ranks == sum(send) over ranks, per category.
+cluster (``tools.emulate``). For every rank: sum(recv) over ranks == sum(send) over ranks, per category.
 
 Counters
 --------

@@ -19,6 +19,10 @@ from typing import Any, Optional
 
 log = logging.getLogger("zerotrain")
 
+# The x axis of every W&B chart: our optimizer step, logged with each row (W&B's own ``_step`` counts rows, and a
+# resumed run re-logs steps). tools/compare.py reads it back from W&B's history.
+WANDB_STEP_KEY = "train/step"
+
 
 class WandbMode(StrEnum):
     auto = "auto"  # online with an API key (WANDB_API_KEY or ~/.netrc), offline without
@@ -135,8 +139,8 @@ class WandbMetrics:
             resume="allow",
             mode=mode,
         )
-        self.run.define_metric("train/step")
-        self.run.define_metric("*", step_metric="train/step")
+        self.run.define_metric(WANDB_STEP_KEY)
+        self.run.define_metric("*", step_metric=WANDB_STEP_KEY)
         log.info("W&B run %s (%s mode)", self.run.id, mode)
 
     @property
@@ -144,7 +148,7 @@ class WandbMetrics:
         return self.run.id
 
     def write(self, record: dict[str, Any]) -> None:
-        self.run.log({"train/step": record["step"], **{k: v for k, v in record.items() if k != "step"}})
+        self.run.log({WANDB_STEP_KEY: record["step"], **{k: v for k, v in record.items() if k != "step"}})
 
     def close(self) -> None:
         self.run.finish()

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from comm_launch import HERE, launch_nodes
+from tools.launcher import launch_nodes
 from zerotrain import comm_accounting
 from zerotrain.comm_accounting import _Accountant
 from zerotrain.launch.layout import layout_from_node_names
+
+HERE = Path(__file__).resolve().parent
 
 # ----------------------------------------------------------------------------------------------------------------
 # The byte model, on fake layouts (no processes)
@@ -163,12 +167,15 @@ def expected_bytes(numels: list[int]) -> dict:
 def measured(shakespeare, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("comm")
     out = out_dir / "out.json"
-    rcs, text, wall = launch_nodes(
-        HERE / "worker_comm.py", str(out), "zero3_cpu,zero3_hpz_cpu", "recipe=tiny_llama",
+    t0 = time.time()
+    nodes = launch_nodes(
+        2, 2, HERE / "worker_comm.py", str(out), "zero3_cpu,zero3_hpz_cpu", "recipe=tiny_llama",
         f"run.output_dir={out_dir / 'runs'}", "run.name=comm", f"data.train.0.path={shakespeare}",
         f"train.steps={STEPS}", "train.log_interval=1", "train.eval_interval=0", "wandb.enabled=false",
-        "checkpoint.save_final=false", "checkpoint.resume=false", *OVERRIDES, timeout=600)
-    print(f"\n2 nodes x 2 launch (ZeRO-3 then hpZ, {STEPS} steps each): {wall:.1f} s wall")
+        "checkpoint.save_final=false", "checkpoint.resume=false", *OVERRIDES, timeout=600, check=False)
+    print(f"\n2 nodes x 2 launch (ZeRO-3 then hpZ, {STEPS} steps each): {time.time() - t0:.1f} s wall")
+    rcs, text = [n.returncode for n in nodes], "\n".join(f"--- node{i} ---\n{n.stdout}{n.stderr}"
+                                                         for i, n in enumerate(nodes))
     assert not any(rcs) and out.is_file(), f"exit codes {rcs}\n{text[-6000:]}"
     return json.loads(out.read_text())
 

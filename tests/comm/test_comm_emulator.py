@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from comm_launch import COMM_ENV, HERE, REPO
-from zerotrain import emulate
-from zerotrain.emulate import EmulatedCluster, EmulatorError, check_host
+from tools import emulate
+from tools.emulate import EmulatedCluster, EmulatorError, check_host
+from tools.launcher import CPU_ENV, REPO
+
+HERE = Path(__file__).resolve().parent
 
 
 def _emulator_unavailable() -> str | None:
@@ -86,8 +88,8 @@ def test_script_refuses_without_root_clearly():
     else:
         prefix = []
     before = _zt_namespaces() if os.geteuid() == 0 else set()
-    proc = subprocess.run([*prefix, sys.executable, str(REPO / "scripts" / "emulate_cluster.py"), "--nodes", "2",
-                           "--", "true"], capture_output=True, text=True, timeout=60, cwd="/")
+    proc = subprocess.run([*prefix, sys.executable, "-m", "tools.emulate", "--nodes", "2", "--", "true"],
+                          capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "needs root" in proc.stderr
     if os.geteuid() == 0:
@@ -120,7 +122,7 @@ def test_gloo_across_emulated_nodes_crosses_shaped_link_only_between_nodes(tmp_p
         assert created <= _zt_namespaces()
         for node in range(2):
             for local in range(2):
-                env = {**COMM_ENV, **cluster.node_env(node, 29500), "RANK": str(node * 2 + local),
+                env = {**CPU_ENV, **cluster.node_env(node, 29500), "RANK": str(node * 2 + local),
                        "WORLD_SIZE": "4", "LOCAL_RANK": str(local)}
                 procs.append(cluster.popen(node, [sys.executable, str(HERE / "worker_emulated_allreduce.py"),
                                                   str(tmp_path)], env=env, cwd=REPO, stdout=subprocess.PIPE,
@@ -161,7 +163,7 @@ def test_interrupt_cleans_up(tmp_path, sig, code):
     """The CLI interrupted while its nodes run: the processes inside are killed and every namespace is deleted."""
     before = _zt_namespaces()
     marker = f"zt-test-sleep-{os.getpid()}-{int(sig)}"
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "emulate_cluster.py"), "--nodes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.emulate", "--nodes", "2",
                              "--rate", "100mbit", "--", "sh", "-c", f"echo {marker}; exec sleep 300"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
     deadline = time.time() + 60

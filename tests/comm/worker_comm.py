@@ -16,12 +16,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from zerotrain import comm_accounting  # noqa: E402
-from zerotrain.launch.layout import deepspeed_hpz_group_ranks, layout_summary  # noqa: E402
-from zerotrain.run_config import parse_args  # noqa: E402
-from zerotrain.trainer import StepCallback, Trainer  # noqa: E402
+from zerotrain import comm_accounting
+from zerotrain.launch.layout import deepspeed_hpz_group_ranks, layout_summary
+from zerotrain.run_config import parse_args
+from zerotrain.trainer import StepCallback, Trainer
 
 
 class CountPerStep(StepCallback):

@@ -19,12 +19,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from zerotrain.launch.layout import gather_layout  # noqa: E402
+from zerotrain.launch.layout import gather_layout
 
 NUMEL = 1 << 20
 REPEATS = 4

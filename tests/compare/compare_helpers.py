@@ -1,4 +1,5 @@
-"""Synthetic run directories for the comparison tests: metrics.jsonl written the way zerotrain.loggers writes it."""
+"""Synthetic run directories for the comparison tests (metrics.jsonl written the way zerotrain.loggers writes it),
+and a stand-in for the part of ``wandb.Api`` that tools.compare uses (no network in the tests)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,22 @@ def write_run(run_dir: Path, rows: Iterable[dict[str, Any]], group: Optional[str
     if group is not None:
         (run_dir / "config.yaml").write_text(f"run:\n  name: {run_dir.name}\nwandb:\n  group: {group}\n")
     return run_dir
+
+
+class FakeHistoryRun:
+    def __init__(self, name: str, rows: list[dict[str, Any]]):
+        self.name, self.url, self._rows = name, f"https://wandb.ai/e/p/runs/{name}", rows
+
+    def scan_history(self, page_size: int = 1000):
+        return iter(self._rows)
+
+
+class FakeApi:
+    """The surface of wandb.Api used by load_wandb_group: runs(path, filters) -> runs with scan_history()."""
+
+    def __init__(self, runs: list[FakeHistoryRun]):
+        self._runs, self.calls = runs, []
+
+    def runs(self, path: str, filters: Optional[dict] = None) -> list[FakeHistoryRun]:
+        self.calls.append((path, filters))
+        return list(self._runs)

@@ -1,18 +1,19 @@
-"""zerotrain.compare on synthetic run directories: the table's numbers, the figure, resumed and diverged runs, the
+"""tools.compare on synthetic run directories: the table's numbers, the figure, resumed and diverged runs, the
 parity check (--assert-equal), the W&B online conversion (a stand-in API) and clear errors."""
 
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from compare_helpers import record, write_run
-from launch_utils import REPO
-from zerotrain import compare
-from zerotrain.compare import CompareError
+from compare_helpers import FakeApi, FakeHistoryRun, record, write_run
+from tools import compare
+from tools.compare import CompareError
+from tools.launcher import run
+from zerotrain.loggers import WANDB_STEP_KEY
 
 STEPS = list(range(10, 101, 10))  # log_interval 10, 100 steps
 
@@ -161,7 +162,7 @@ def test_clear_errors(tmp_path, capsys):
     assert code == 2 and "metrics.jsonl is empty" in out
     (tmp_path / "notarun").mkdir()
     code, out = run_main(capsys, tmp_path / "notarun")
-    assert code == 2 and "no metrics.jsonl and no W&B run files" in out
+    assert code == 2 and "notarun: no metrics.jsonl" in out
     val_only = write_run(tmp_path / "val_only", [{"step": 10, "val/loss": 2.0}])
     code, out = run_main(capsys, val_only)
     assert code == 2 and "no training records" in out
@@ -192,31 +193,12 @@ def test_local_group_and_baseline_suffix(runs, tmp_path, capsys):
     assert "vs g-hpz-stock" in out and (tmp_path / "g.png").stat().st_size > 0
 
 
-class FakeHistoryRun:
-    def __init__(self, name, rows):
-        self.name, self.url, self._rows = name, f"https://wandb.ai/e/p/runs/{name}", rows
-
-    def scan_history(self, page_size=1000):
-        return iter(self._rows)
-
-
-class FakeApi:
-    """The surface of wandb.Api used by load_wandb_group: runs(path, filters) -> runs with scan_history()."""
-
-    def __init__(self, runs):
-        self._runs, self.calls = runs, []
-
-    def runs(self, path, filters=None):
-        self.calls.append((path, filters))
-        return list(self._runs)
-
-
 def test_wandb_online_rows_go_through_the_same_conversion():
     def row(step, loss, **kw):  # as scan_history returns them: W&B's own keys, our step metric, NaN as a string
-        return {"_step": kw.pop("_step", step), "_runtime": 1.0, "_timestamp": 1e9 + step, "train/step": step,
+        return {"_step": kw.pop("_step", step), "_runtime": 1.0, "_timestamp": 1e9 + step, WANDB_STEP_KEY: step,
                 "loss": loss, "step_time_s": 0.5, "tokens_per_s": 200.0, "mfu": None, **kw}
 
-    rows = [row(1, 2.0), row(2, 1.5), {"_step": 3, "train/step": 2, "val/loss": 1.7}, row(3, "NaN"),
+    rows = [row(1, 2.0), row(2, 1.5), {"_step": 3, WANDB_STEP_KEY: 2, "val/loss": 1.7}, row(3, "NaN"),
             row(2, 1.25, _step=4), row(3, 1.0, _step=5)]  # a restart from step 1: steps 2 and 3 re-logged
     api = FakeApi([FakeHistoryRun("zero3", rows), FakeHistoryRun("empty", [{"_step": 0, "x": 1}])])
     runs = compare.load_wandb_group("p", "g", entity="e", api=api)
@@ -229,11 +211,17 @@ def test_wandb_online_rows_go_through_the_same_conversion():
         compare.load_wandb_group("p", "none", api=FakeApi([]))
 
 
-def test_command_line_script(runs, tmp_path):
+# Both ways a user runs it, from outside the repository: the module, and the console script `pip install -e .` made.
+COMMANDS = {"module": [sys.executable, "-m", "tools.compare"],
+            "console-script": [str(Path(sys.executable).parent / "zerotrain-compare")]}
+
+
+@pytest.mark.parametrize("how", sorted(COMMANDS))
+def test_command_line(runs, tmp_path, how):
+    command = COMMANDS[how]
+    assert Path(command[0]).is_file(), f"{command[0]} missing: run .venv/bin/python -m pip install --no-deps -e ."
     out = tmp_path / "cli.png"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_runs.py"), f"zero3={runs['zero3']}",
-                           f"hpz={runs['hpz']}", "--baseline", "zero3", "-o", str(out)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    proc = run([*command, f"zero3={runs['zero3']}", f"hpz={runs['hpz']}", "--baseline", "zero3", "-o", out],
+               timeout=120, cwd=tmp_path)
     assert "| hpz | 100 (10 logged) |" in proc.stdout and "200.0%" in proc.stdout
     assert out.stat().st_size > 0

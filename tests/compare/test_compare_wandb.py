@@ -1,6 +1,7 @@
 """A real W&B offline run, written in-process by the trainer's own MetricsLogger (metrics.jsonl + W&B), killed and
-resumed like a requeued job, then read back from its run-*.wandb transaction logs: the W&B curve equals the
-metrics.jsonl curve exactly (the parity check passes between the two sources)."""
+resumed like a requeued job. tools.compare reads the run directory's metrics.jsonl; the rows the logger sent to
+W&B, read back through the wandb.Api path (a stand-in for the server's history), give the same curve bitwise; a
+directory with only W&B's binary files is refused with a message saying what to use instead."""
 
 from __future__ import annotations
 
@@ -9,23 +10,27 @@ import shutil
 
 import pytest
 from omegaconf import OmegaConf
+from wandb.sdk.wandb_run import Run as WandbRun
 
-from compare_helpers import record
-from zerotrain import compare
-from zerotrain.compare import CompareError
+from compare_helpers import FakeApi, FakeHistoryRun, record
+from tools import compare
+from tools.compare import CompareError
+from zerotrain import config
 from zerotrain.config import as_container
-from zerotrain.loggers import MetricsLogger
+from zerotrain.loggers import WANDB_STEP_KEY, MetricsLogger
 from zerotrain.run_config import Config
 
 LOSSES = {1: 2.5, 2: 2.25, 3: 1.0 / 3.0, 4: 2.0, 5: math.nan, 6: 0.1 + 0.2}
+GROUP = "cmp-group"
 
 
 @pytest.fixture(scope="module")
 def wandb_run(tmp_path_factory):
-    """Run directory: steps 1-5 logged, 'preempted' after the step-3 checkpoint, resumed: steps 4-6 logged again
-    with other values (the second launch recomputes them). W&B keeps both copies of steps 4-5; metrics.jsonl is
-    trimmed on resume."""
+    """(run directory, the rows logged to W&B). Steps 1-5 logged, 'preempted' after the step-3 checkpoint, resumed:
+    steps 4-6 logged again with other values (the second launch recomputes them). W&B keeps both copies of steps
+    4-5; metrics.jsonl is trimmed on resume."""
     work = tmp_path_factory.mktemp("wandb_offline")
+    sent: list[dict] = []
     with pytest.MonkeyPatch.context() as mp:
         for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
             mp.setenv(var, str(work / sub))
@@ -35,12 +40,20 @@ def wandb_run(tmp_path_factory):
         mp.setenv("WANDB_CONSOLE", "off")
         mp.setenv("WANDB_X_DISABLE_STATS", "true")  # no system-metrics sampler: faster start and finish
         mp.setenv("WANDB_X_DISABLE_META", "true")
+        real_log = WandbRun.log
+
+        def recording_log(self, data, *args, **kwargs):  # records what goes to W&B, then logs it for real
+            sent.append(dict(data))
+            return real_log(self, data, *args, **kwargs)
+
+        mp.setattr(WandbRun, "log", recording_log)
         cfg = OmegaConf.structured(Config)
         cfg.run.name, cfg.run.output_dir = "cmp-run", str(work)
-        cfg.wandb.mode, cfg.wandb.group, cfg.wandb.project = "offline", "cmp-group", "zerotrain-test"
+        cfg.wandb.mode, cfg.wandb.group, cfg.wandb.project = "offline", GROUP, "zerotrain-test"
         cfg.train.steps = 6
         run_dir = work / cfg.run.name
         run_dir.mkdir()
+        config.save(cfg, run_dir / "config.yaml")  # as the trainer does at start
 
         sections = {"run_name": cfg.run.name, "run_config": as_container(cfg), "total_steps": cfg.train.steps}
         wandb = OmegaConf.to_object(cfg.wandb)
@@ -55,7 +68,8 @@ def wandb_run(tmp_path_factory):
         for step in range(4, 7):
             second.log_train(step, metrics(step, LOSSES[step]))
         second.close()
-    return run_dir
+    assert sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")), "the W&B offline run was not written"
+    return run_dir, sent
 
 
 def metrics(step: int, loss: float) -> dict:
@@ -64,11 +78,10 @@ def metrics(step: int, loss: float) -> dict:
     return out
 
 
-def test_offline_run_reads_back_exactly(wandb_run):
-    files = compare.wandb_files(wandb_run)
-    assert len(files) == 2 and all(f.name.startswith("run-") for f in files)  # one per launch, oldest first
-    run = compare.load_run_dir(wandb_run, source="wandb")
-    assert run.group == "cmp-group" and run.replaced == 2  # steps 4 and 5, logged again after the restart
+def test_resumed_run_reads_back_exactly_from_metrics_jsonl(wandb_run):
+    run_dir, _ = wandb_run
+    run = compare.load_run_dir(run_dir)
+    assert run.group == GROUP and run.replaced == 0  # the group from config.yaml; the file was trimmed on resume
     assert run.steps == [1, 2, 3, 4, 5, 6]
     for step, loss in zip(run.steps, run.losses):
         assert loss == LOSSES[step] or (math.isnan(loss) and math.isnan(LOSSES[step])), step
@@ -77,38 +90,41 @@ def test_offline_run_reads_back_exactly(wandb_run):
     assert run.elapsed()[-1] == pytest.approx(sum(0.5 + 0.125 * s for s in range(1, 7)))
 
 
-def test_wandb_and_jsonl_agree_bitwise(wandb_run):
-    jsonl = compare.load_run_dir(wandb_run, name="jsonl", source="jsonl")
-    wandb = compare.load_run_dir(wandb_run, name="wandb", source="wandb")
-    parity = compare.check_parity(jsonl, wandb)
+def test_rows_sent_to_wandb_read_back_through_the_api_equal_metrics_jsonl_bitwise(wandb_run):
+    run_dir, sent = wandb_run
+    assert all(WANDB_STEP_KEY in row and "step" not in row for row in sent)
+    # What scan_history returns for them: W&B's row counter _step (it keeps counting across the restart) + our keys.
+    history = [{"_step": i, **row} for i, row in enumerate(sent)]
+    api = FakeApi([FakeHistoryRun("cmp-run", history)])
+    (from_wandb,) = compare.load_wandb_group("zerotrain-test", GROUP, api=api)
+    assert from_wandb.replaced == 2  # steps 4 and 5, logged again after the restart: the last value wins
+    from_jsonl = compare.load_run_dir(run_dir, name="jsonl")
+    parity = compare.check_parity(from_jsonl, from_wandb)
     assert parity.ok, parity.message
-    assert compare.check_parity(jsonl, wandb, key="step_time_s").ok
-    # Without metrics.jsonl the directory falls back to its W&B files.
-    (wandb_run / "metrics.jsonl").rename(wandb_run / "metrics.jsonl.bak")
-    try:
-        assert compare.load_run_dir(wandb_run).losses[:4] == jsonl.losses[:4]
-    finally:
-        (wandb_run / "metrics.jsonl.bak").rename(wandb_run / "metrics.jsonl")
+    assert compare.check_parity(from_jsonl, from_wandb, key="step_time_s").ok
+    assert from_wandb.val == from_jsonl.val == [(3, 1.75)]
 
 
-def test_truncated_and_foreign_files(wandb_run, tmp_path):
-    last = compare.wandb_files(wandb_run)[-1]
-    full = compare.read_wandb_file(last)
-    cut = tmp_path / last.name
-    data = last.read_bytes()
-    cut.write_bytes(data[: data.rfind(b"train/step")])  # killed while writing its last history record
-    partial = compare.read_wandb_file(cut)
-    assert partial.run_id == full.run_id and partial.rows == full.rows[:-1] and len(full.rows) == 3
-
-    foreign = tmp_path / "run-x.wandb"
-    foreign.write_bytes(b"not a wandb file at all")
-    with pytest.raises(CompareError, match="not a W&B run file"):
-        compare.read_wandb_file(foreign)
+def test_run_dir_with_only_wandb_files_is_refused_with_guidance(wandb_run, tmp_path, capsys):
+    run_dir, _ = wandb_run
+    only = tmp_path / "only-wandb"
+    shutil.copytree(run_dir / "wandb", only / "wandb", symlinks=True)
+    guidance = r"metrics\.jsonl.*--group GROUP --project PROJECT"
+    with pytest.raises(CompareError, match=guidance):
+        compare.load_run_dir(only)
+    with pytest.raises(CompareError, match=guidance):
+        compare.load_run_dir(next(only.glob("wandb/offline-run-*/run-*.wandb")))
+    assert compare.main([str(only)]) == 2
+    assert "W&B's binary run files are not read" in capsys.readouterr().err
 
 
-def test_local_group_finds_offline_run_without_config(wandb_run, tmp_path):
+def test_local_group_reads_config_yaml_and_skips_dirs_without_one(wandb_run, tmp_path):
+    run_dir, _ = wandb_run
     root = tmp_path / "runs"
-    shutil.copytree(wandb_run / "wandb", root / "only-wandb" / "wandb", symlinks=True)
+    shutil.copytree(run_dir, root / "with-config", symlinks=True)
+    shutil.copytree(run_dir / "wandb", root / "only-wandb" / "wandb", symlinks=True)
     (root / "unrelated").mkdir(parents=True)
-    runs = compare.find_local_group(root, "cmp-group")
-    assert [r.name for r in runs] == ["only-wandb"] and runs[0].steps == [1, 2, 3, 4, 5, 6]
+    runs = compare.find_local_group(root, GROUP)
+    assert [r.name for r in runs] == ["with-config"] and runs[0].steps == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(CompareError, match="config.yaml naming W&B group 'other'"):
+        compare.find_local_group(root, "other")

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from launch_utils import REPO
+from tools.launcher import REPO
 from zerotrain import config, run_config
 
 SCRIPT = REPO / "scripts" / "paper_sweep.sh"

@@ -11,14 +11,11 @@ from __future__ import annotations
 import atexit
 import functools
 import json
-import os
 import shutil
-import signal
-import subprocess
 import tempfile
 from pathlib import Path
 
-from launch_utils import CPU_ENV, REPO  # noqa: E402  (tests/ is on sys.path: pytest.ini's pythonpath)
+from tools.launcher import REPO
 
 MMLU_JSONL = REPO / "data" / "mmlu" / "test.jsonl"
 MAX_POSITIONS = 512
@@ -148,21 +145,3 @@ def write_jsonl(path: Path, rows: list[dict] | list[str]) -> Path:
         for row in rows:
             f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return path
-
-
-def subprocess_env() -> dict[str, str]:
-    return {**os.environ, **CPU_ENV}
-
-
-def run_subprocess(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run with subprocess_env() in its own process group, so that a hung torchrun
-    (e.g. a ZeRO-3 collective deadlock) is killed together with its workers."""
-    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {cmd}\n{out[-3000:]}\n{err[-5000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -24,10 +24,9 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
-from mmlu_testlib import MAX_POSITIONS, MMLU_JSONL, ZERO3_CASES  # noqa: E402
+from mmlu_testlib import MAX_POSITIONS, MMLU_JSONL, ZERO3_CASES
 
-from zerotrain.evaluation import evaluate, load_mmlu  # noqa: E402
+from zerotrain.evaluation import evaluate, load_mmlu
 
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": 1,

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 import torch
-from mmlu_testlib import MMLU_JSONL, REPO, run_subprocess, tiny_export
+from mmlu_testlib import MMLU_JSONL, REPO, tiny_export
 
+from tools.launcher import run
 from zerotrain.evaluation import NotAnHFExportError, resolve_checkpoint
 
 SCRIPT = REPO / "evaluation" / "mmlu.py"
@@ -33,8 +34,9 @@ def test_one_process_and_torchrun_two_processes_agree(tmp_path, capsys):
         assert line in table
 
     two = tmp_path / "two.json"
-    proc = run_subprocess([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                str(SCRIPT), "--checkpoint", str(tiny_export()), *ARGS, "--output", str(two)])
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                str(SCRIPT), "--checkpoint", str(tiny_export()), *ARGS, "--output", str(two)], timeout=300,
+               check=False)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert proc.stdout.count("overall (micro") == 1  # only rank 0 prints
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from mmlu_testlib import MAX_POSITIONS, MMLU_JSONL, ZERO3_CASES, load_tiny, run_subprocess, tiny_export
+from mmlu_testlib import MAX_POSITIONS, MMLU_JSONL, ZERO3_CASES, load_tiny, tiny_export
 
+from tools.launcher import run
 from zerotrain.evaluation import evaluate, load_mmlu
 
 WORLD = 4
@@ -21,7 +22,7 @@ def zero3_reports(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("zero3")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            str(WORKER), str(tiny_export()), str(out)]
-    proc = run_subprocess(cmd, timeout=300)  # a padding bug would deadlock, not fail
+    proc = run(cmd, timeout=300, check=False)  # a padding bug would deadlock, not fail
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 

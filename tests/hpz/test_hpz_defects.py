@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from hpz_launch import stage
+from hpz_results import stage
 
 
 def test_eval_only_engine_with_hpz(hpz_suite):

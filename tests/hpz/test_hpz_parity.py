@@ -18,7 +18,7 @@ import math
 import os
 from collections import defaultdict
 
-from hpz_launch import stage
+from hpz_results import stage
 
 STEPS = 20
 

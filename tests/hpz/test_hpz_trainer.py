@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpz_launch import stage
+from hpz_results import stage
 
 
 def test_hf_trainer_with_hpz(hpz_suite):

@@ -12,12 +12,9 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
 
-import torch  # noqa: E402
-
-import _common as C  # noqa: E402
+import _common as C
 
 C.init_dist()
 import deepspeed  # noqa: E402

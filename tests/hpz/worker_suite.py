@@ -16,14 +16,12 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-
-import _common as C  # noqa: E402
-import worker_defects  # noqa: E402  (initialises the process group)
-import worker_parity  # noqa: E402
-import worker_trainer  # noqa: E402
+import _common as C
+import worker_defects  # initialises the process group
+import worker_parity
+import worker_trainer
 
 STEPS = 20
 

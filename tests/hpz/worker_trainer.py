@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
-
-from zerotrain import hpz  # noqa: E402
+from zerotrain import hpz
 
 MAX_STEPS = 4
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from slurm_testlib import CLUSTER_SH, CORPUS, REPO, SLURM_ROOT, SlurmCluster, report
+from slurm_testlib import CLUSTER_SH, CORPUS, SLURM_ROOT, SlurmCluster, report
+
+from tools.launcher import PYTHON, run
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +39,6 @@ def tiny_data(tmp_path_factory) -> Path:
     """A small prepared data set (300 KB of the shipped corpus, the tiny model's 2048-token vocabulary)."""
     out = tmp_path_factory.mktemp("data")
     (out / "slice.txt").write_text(CORPUS.read_text(encoding="utf-8")[:300_000], encoding="utf-8")
-    subprocess.run(
-        [sys.executable, "data/prepare.py", f"input={out / 'slice.txt'}", f"output={out / 'tiny'}",
-         "tokenizer.train_vocab_size=2048", "progress=false"],
-        cwd=REPO, check=True, capture_output=True, timeout=300,
-    )
+    run([PYTHON, "data/prepare.py", f"input={out / 'slice.txt'}", f"output={out / 'tiny'}",
+         "tokenizer.train_vocab_size=2048", "progress=false"], timeout=300)
     return out / "tiny"

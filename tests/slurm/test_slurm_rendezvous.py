@@ -6,13 +6,8 @@ import time
 
 import pytest
 
+from tools.launcher import free_port
 from zerotrain.launch.rendezvous import RendezvousError, check_rendezvous
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env(**kw) -> dict[str, str]:

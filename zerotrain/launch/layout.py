@@ -75,7 +75,7 @@ def local_node_name(environ: Mapping[str, str] = os.environ) -> str:
     """This process's node: ``ZEROTRAIN_NODE_NAME``, then ``SLURMD_NODENAME``, then the hostname.
 
     ``ZEROTRAIN_NODE_NAME`` names the node explicitly, for nodes emulated on one host (separate
-    ``torchrun --nnodes N --node_rank i`` launches, or the network namespaces of ``scripts/emulate_cluster.py``),
+    ``torchrun --nnodes N --node_rank i`` launches, or the network namespaces of ``python -m tools.emulate``),
     which all share one hostname. SLURMD_NODENAME next: some clusters share one hostname too.
     """
     return environ.get("ZEROTRAIN_NODE_NAME") or environ.get("SLURMD_NODENAME") or socket.gethostname()

@@ -27,7 +27,7 @@ Cleanup: :meth:`EmulatedCluster.close` (also ``__exit__``) kills every process s
 (the processes this emulator started: the namespaces are its own), then deletes the namespaces; deleting a namespace
 deletes its veth ends and its bridge. It runs with SIGINT/SIGTERM blocked so a second Ctrl-C cannot interrupt it;
 :func:`install_signal_handlers` turns SIGTERM/SIGHUP into exceptions so ``finally`` blocks run.
-:func:`cleanup_stale` removes leftovers of a run that was SIGKILLed (``scripts/emulate_cluster.py --cleanup``).
+:func:`cleanup_stale` removes leftovers of a run that was SIGKILLed (``python -m tools.emulate --cleanup``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-log = logging.getLogger("zerotrain.emulate")
+log = logging.getLogger("tools.emulate")
 
 PREFIX = "zt-"
 SUBNET = "10.213.0"  # 10.213.0.0/24, only ever inside the emulator's own namespaces
@@ -303,7 +303,7 @@ class EmulatedCluster:
                 _run(["ip", "netns", "del", ns], check=False)
             left = [ns for ns in list_namespaces() if ns in self.created]
             if left:
-                log.error("could not delete namespaces %s; run scripts/emulate_cluster.py --cleanup", left)
+                log.error("could not delete namespaces %s; run python -m tools.emulate --cleanup", left)
             self.created = []
             self.procs = []
         finally:

@@ -1,12 +1,13 @@
-#!/usr/bin/env python
 """Run a command on N emulated nodes of this Linux host: one network namespace per node, shaped links between them.
 
-    sudo .venv/bin/python scripts/emulate_cluster.py --nodes 2 --nproc-per-node 2 --rate 100mbit --delay 1ms \\
+    sudo .venv/bin/python -m tools.emulate --nodes 2 --nproc-per-node 2 --rate 100mbit --delay 1ms \\
         train.py recipe=tiny_llama train.steps=20 zero=zero3_hpz_cpu
-    sudo .venv/bin/python scripts/emulate_cluster.py --nodes 2 --rate 50mbit -- \\
+    sudo .venv/bin/python -m tools.emulate --nodes 2 --rate 50mbit -- \\
         .venv/bin/python -m torch.distributed.run --nnodes {nnodes} --node_rank {node_rank} --nproc_per_node 2 \\
         --master_addr {master_addr} --master_port {master_port} train.py recipe=tiny_llama
-    sudo .venv/bin/python scripts/emulate_cluster.py --cleanup      # remove leftovers of a SIGKILLed run
+    sudo .venv/bin/python -m tools.emulate --cleanup      # remove leftovers of a SIGKILLed run
+
+(``sudo .venv/bin/zerotrain-emulate ...`` is the same command, installed by ``pip install -e .``.)
 
 With ``--nproc-per-node K`` the command is a script and its arguments, launched on every node with
 ``torchrun --nnodes N --node_rank i --nproc_per_node K --master_addr <node 0> --master_port P``. Without it the
@@ -28,10 +29,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from zerotrain.emulate import (  # noqa: E402
+from tools.emulate import (
     IFNAME,
     EmulatedCluster,
     EmulatorError,
@@ -62,8 +62,9 @@ def build_argv(args, cluster: EmulatedCluster, node: int) -> list[str]:
     return [part.format(**fields) for part in args.command]
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     parser.add_argument("--nproc-per-node", type=int, default=0,
                         help="launch the command through torchrun with this many ranks per node")
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     logging.basicConfig(level=logging.INFO, format="[emulate] %(message)s")
-    log = logging.getLogger("zerotrain.emulate")
+    log = logging.getLogger("tools.emulate")
 
     try:
         check_host()
@@ -160,4 +161,4 @@ class _Tee:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(prog="python -m tools.emulate"))

@@ -2,11 +2,12 @@
 
 Try hpZ's point — the backward all-gather stays inside a node — without a cluster: ranks of one emulated node
 talk over loopback at memory speed, ranks of different nodes over a link as slow as you like. See
-:mod:`zerotrain.emulate.netns` for the topology and ``docs/emulated_cluster.md`` for usage
-(``sudo python scripts/emulate_cluster.py --nodes 2 --nproc-per-node 2 --rate 100mbit train.py recipe=tiny_llama``).
+:mod:`tools.emulate.netns` for the topology, :mod:`tools.emulate.__main__` for the command
+(``sudo .venv/bin/python -m tools.emulate --nodes 2 --nproc-per-node 2 --rate 100mbit train.py recipe=tiny_llama``)
+and ``docs/emulated_cluster.md`` for usage.
 """
 
-from zerotrain.emulate.netns import (  # noqa: F401
+from tools.emulate.netns import (  # noqa: F401
     IFNAME,
     PREFIX,
     SUBNET,

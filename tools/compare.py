@@ -2,23 +2,27 @@
 
 Runs come from
 
-* local run directories (``<run.output_dir>/<run.name>``): their ``metrics.jsonl``, or, when there is none, the W&B
-  transaction logs the run wrote next to it (``wandb/offline-run-*/run-*.wandb``; online runs keep one too);
-* a W&B group, online, through the public API (``wandb.Api().runs(...)``, ``run.scan_history()``);
-* a local W&B group: every run directory under ``--runs-root`` whose ``config.yaml`` names the group.
+* local run directories (``<run.output_dir>/<run.name>``): their ``metrics.jsonl``, which the trainer always writes
+  (beside the W&B run, online or offline);
+* a W&B group, online, through the public API (``wandb.Api().runs(...)``, ``run.scan_history()``): runs that live
+  only on the server;
+* a local group: every run directory under ``--runs-root`` whose ``config.yaml`` names the W&B group.
+
+W&B's binary transaction logs (``wandb/*run-*/run-*.wandb``) are not read: ``metrics.jsonl`` holds the same rows,
+and ``wandb sync`` + the API covers a run whose directory is gone.
 
 Whatever the source, rows go through one conversion, :func:`run_from_rows`: a row is a training record when it has
-``loss``, a validation record when it has ``val/loss``; the step is ``step`` (metrics.jsonl) or ``train/step`` (W&B),
-and a step logged twice (a run resumed from a checkpoint older than its last logged step re-logs those steps) keeps
-its *last* value. Non-finite losses (``NaN``, ``Infinity``) are kept: a diverged run is drawn up to the divergence
-and marked there.
+``loss``, a validation record when it has ``val/loss``; the step is ``step`` (metrics.jsonl) or
+:data:`zerotrain.loggers.WANDB_STEP_KEY` (W&B), and a step logged twice (a run resumed from a checkpoint older than
+its last logged step re-logs those steps in W&B) keeps its *last* value. Non-finite losses (``NaN``, ``Infinity``)
+are kept: a diverged run is drawn up to the divergence and marked there.
 
-Usage (``scripts/compare_runs.py`` is the same command)::
+Usage (``zerotrain-compare`` is the same command, installed by ``pip install -e .``)::
 
-    python -m zerotrain.compare runs/a runs/b [zero3=runs/c] [--baseline zero3] [-o compare.png] [--table t.md]
-    python -m zerotrain.compare --group paper-llama2-7b --project zerotrain-paper [--entity E]   # W&B online
-    python -m zerotrain.compare --group paper-llama2-7b --runs-root runs                         # local
-    python -m zerotrain.compare --assert-equal runs/a runs/b [--atol 1e-6] [--common-steps-only]
+    python -m tools.compare runs/a runs/b [zero3=runs/c] [--baseline zero3] [-o compare.png] [--table t.md]
+    python -m tools.compare --group paper-llama2-7b --project zerotrain-paper [--entity E]   # W&B online
+    python -m tools.compare --group paper-llama2-7b --runs-root runs                         # local
+    python -m tools.compare --assert-equal runs/a runs/b [--atol 1e-6] [--common-steps-only]
 
 Exit status: 0 fine (runs equal with ``--assert-equal``), 1 the runs differ, 2 bad input (missing run directory,
 empty metrics, unknown baseline, ...).
@@ -30,19 +34,20 @@ import argparse
 import json
 import logging
 import math
-import struct
+import os
 import sys
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
-log = logging.getLogger("zerotrain.compare")
+from zerotrain.loggers import WANDB_STEP_KEY
+
+log = logging.getLogger("tools.compare")
 
 LOSS = "loss"
 VAL_LOSS = "val/loss"
 # The step of a row: ours first (metrics.jsonl), then our W&B step metric, then W&B's own row counter.
-STEP_KEYS = ("step", "train/step")
+STEP_KEYS = ("step", WANDB_STEP_KEY)
 WANDB_ROW_STEP = "_step"
 
 
@@ -129,7 +134,7 @@ def _row_step(row: dict[str, Any]) -> Optional[int]:
 
 
 def run_from_rows(name: str, rows: Iterable[dict[str, Any]], source: str, group: Optional[str] = None) -> Run:
-    """Rows of logged values (metrics.jsonl lines, W&B history rows online or offline) -> a :class:`Run`.
+    """Rows of logged values (metrics.jsonl lines, W&B history rows from the API) -> a :class:`Run`.
 
     A row with ``loss`` is a training record, one with ``val/loss`` a validation record; other rows are ignored.
     A later row for the same step replaces the earlier one entirely (last value wins: a resumed run)."""
@@ -158,7 +163,7 @@ def run_from_rows(name: str, rows: Iterable[dict[str, Any]], source: str, group:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Sources: metrics.jsonl, W&B transaction logs (offline), W&B online
+# Sources: metrics.jsonl (local run directories), W&B online (the public API)
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -186,110 +191,6 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-# The W&B transaction log (run-<id>.wandb) is LevelDB's log format with W&B's own file header; every record a
-# serialized wandb_internal_pb2.Record. wandb 0.31 has no public Python reader for it (wandb.sdk.internal.datastore
-# went with the move to wandb-core), so this is a small reader of the documented format.
-_WANDB_IDENT = b":W&B"
-_WANDB_MAGIC = 0xBEE1
-_FILE_HEADER = struct.Struct("<4sHB")  # ident, magic, version
-_RECORD_HEADER = struct.Struct("<IHB")  # crc32 of (type byte + payload), payload length, type
-_BLOCK = 32768
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def wandb_log_payloads(path: Path) -> Iterator[bytes]:
-    """The record payloads of a W&B transaction log, in order. Stops (with a warning) at a truncated or corrupt
-    record: the tail of a run that was killed or is still being written."""
-    data = path.read_bytes()
-    if len(data) < _FILE_HEADER.size:
-        raise CompareError(f"{path}: too short to be a W&B run file ({len(data)} bytes)")
-    ident, magic, version = _FILE_HEADER.unpack_from(data)
-    if ident != _WANDB_IDENT or magic != _WANDB_MAGIC:
-        raise CompareError(f"{path}: not a W&B run file (header {data[:7]!r})")
-    if version != 0:
-        log.warning("%s: W&B log format version %d (this reader knows 0): reading it anyway", path, version)
-    pos, pending = _FILE_HEADER.size, None
-    while pos < len(data):
-        left_in_block = _BLOCK - pos % _BLOCK
-        if left_in_block < _RECORD_HEADER.size:  # the writer pads a block tail too short for a header
-            pos += left_in_block
-            continue
-        if pos + _RECORD_HEADER.size > len(data):
-            log.warning("%s: truncated record header at byte %d: stopping there", path, pos)
-            return
-        crc, length, kind = _RECORD_HEADER.unpack_from(data, pos)
-        start = pos + _RECORD_HEADER.size
-        payload = data[start:start + length]
-        if kind == 0 and length == 0:  # zero padding
-            pos = start
-            continue
-        if len(payload) < length or zlib.crc32(payload, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
-            log.warning("%s: truncated or corrupt record at byte %d: stopping there", path, pos)
-            return
-        pos = start + length
-        if kind == _FULL:
-            yield payload
-        elif kind == _FIRST:
-            pending = payload
-        elif kind == _MIDDLE and pending is not None:
-            pending += payload
-        elif kind == _LAST and pending is not None:
-            yield pending + payload
-            pending = None
-        else:
-            log.warning("%s: unexpected record type %d at byte %d: skipped", path, kind, pos)
-
-
-@dataclass
-class WandbFile:
-    path: Path
-    rows: list[dict[str, Any]]
-    run_id: Optional[str] = None
-    name: Optional[str] = None
-    group: Optional[str] = None
-
-
-def read_wandb_file(path: Path) -> WandbFile:
-    """History rows and run metadata (id, display name, group) of one W&B transaction log."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    out = WandbFile(path=path, rows=[])
-    for payload in wandb_log_payloads(path):
-        record = pb.Record()
-        try:
-            record.ParseFromString(payload)
-        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError; one bad record should not lose the rest
-            log.warning("%s: undecodable record skipped (%s)", path, e)
-            continue
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            out.run_id = record.run.run_id or out.run_id
-            out.name = record.run.display_name or out.name
-            out.group = record.run.run_group or out.group
-        elif kind == "history":
-            row: dict[str, Any] = {}
-            for item in record.history.item:
-                key = item.key or ".".join(item.nested_key)
-                try:
-                    row[key] = json.loads(item.value_json)
-                except json.JSONDecodeError:
-                    row[key] = item.value_json
-            if WANDB_ROW_STEP not in row and record.history.HasField("step"):
-                row[WANDB_ROW_STEP] = record.history.step.num
-            out.rows.append(row)
-    return out
-
-
-def wandb_files(run_dir: Path) -> list[Path]:
-    """The W&B transaction logs under a run directory, oldest first (a resumed run has one per launch)."""
-    files = [p for p in run_dir.glob("wandb/*run-*/run-*.wandb") if not p.parent.is_symlink()]
-
-    def started(p: Path) -> str:  # offline-run-20240101_120000-<id> / run-20240101_120000-<id>
-        return p.parent.name.split("run-", 1)[1]
-
-    return sorted(files, key=started)
-
-
 def _saved_config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "config.yaml"
     if not path.is_file():
@@ -303,64 +204,43 @@ def _saved_config(run_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def load_run_dir(path: str | Path, name: Optional[str] = None, source: str = "auto") -> Run:
-    """A run from a run directory (or a metrics.jsonl / run-*.wandb file given directly).
+def _wandb_only(what: Path) -> CompareError:
+    return CompareError(f"{what}: W&B's binary run files are not read; compare reads the run directory's "
+                        "metrics.jsonl, which the trainer writes beside every W&B run. For a run that lives only on "
+                        "the W&B server use --group GROUP --project PROJECT [--entity ENTITY] (wandb.Api)")
 
-    ``source``: ``auto`` (metrics.jsonl if the directory has one, else its W&B logs), ``jsonl`` or ``wandb``."""
+
+def load_run_dir(path: str | Path, name: Optional[str] = None) -> Run:
+    """A run from a run directory (or a metrics.jsonl given directly)."""
     path = Path(path)
     if not path.exists():
         raise CompareError(f"run directory {path} does not exist (a run directory is <run.output_dir>/<run.name>, "
                            "e.g. runs/tiny-llama)")
     if path.is_file():
-        run_dir = path.parent
-        label = name or (run_dir.name if path.suffix == ".jsonl" else path.stem)
         if path.suffix == ".wandb":
-            return _from_wandb_files([path], label, str(path))
-        return run_from_rows(label, read_jsonl(path), str(path))
-    label = name or path.name
+            raise _wandb_only(path)
+        return run_from_rows(name or (path.parent.name if path.suffix == ".jsonl" else path.stem), read_jsonl(path),
+                             str(path))
     jsonl = path / "metrics.jsonl"
-    group = ((_saved_config(path).get("wandb") or {}).get("group"))
-    if source in ("auto", "jsonl") and jsonl.is_file():
-        run = run_from_rows(label, read_jsonl(jsonl), str(jsonl))
-        run.group = group
-        return run
-    if source in ("auto", "wandb"):
-        files = wandb_files(path)
-        if files:
-            run = _from_wandb_files(files, label, str(path / "wandb"))
-            run.group = run.group or group
-            return run
-    wanted = {"auto": "no metrics.jsonl and no W&B run files (wandb/*run-*/run-*.wandb)",
-              "jsonl": "no metrics.jsonl", "wandb": "no W&B run files (wandb/*run-*/run-*.wandb)"}[source]
-    raise CompareError(f"{path}: {wanted}. Is it a run directory (<run.output_dir>/<run.name>)?")
+    if not jsonl.is_file():
+        if any(path.glob("wandb/*run-*/run-*.wandb")):
+            raise _wandb_only(path)
+        raise CompareError(f"{path}: no metrics.jsonl. Is it a run directory (<run.output_dir>/<run.name>)?")
+    run = run_from_rows(name or path.name, read_jsonl(jsonl), str(jsonl))
+    run.group = (_saved_config(path).get("wandb") or {}).get("group")
+    return run
 
 
-def _from_wandb_files(files: Sequence[Path], name: str, source: str) -> Run:
-    parsed = [read_wandb_file(f) for f in files]
-    rows = [row for p in parsed for row in p.rows]
-    if not rows:
-        raise CompareError(f"{source}: the W&B run files hold no history rows yet ({', '.join(map(str, files))})")
-    group = next((p.group for p in reversed(parsed) if p.group), None)
-    return run_from_rows(name, rows, source, group=group)
-
-
-def find_local_group(root: str | Path, group: str, source: str = "auto") -> list[Run]:
-    """Every run directory directly under ``root`` whose saved config (or W&B run record) names ``group``."""
+def find_local_group(root: str | Path, group: str) -> list[Run]:
+    """Every run directory directly under ``root`` whose saved config.yaml names W&B group ``group``."""
     root = Path(root)
     if not root.is_dir():
         raise CompareError(f"--runs-root {root}: no such directory")
-    runs = []
-    for run_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        saved = (_saved_config(run_dir).get("wandb") or {}).get("group")
-        if saved is not None and saved != group:
-            continue
-        if saved is None:  # no config.yaml: look at the W&B run record
-            files = wandb_files(run_dir)
-            if not files or read_wandb_file(files[-1]).group != group:
-                continue
-        runs.append(load_run_dir(run_dir, source=source))
+    runs = [load_run_dir(run_dir) for run_dir in sorted(p for p in root.iterdir() if p.is_dir())
+            if (_saved_config(run_dir).get("wandb") or {}).get("group") == group]
     if not runs:
-        raise CompareError(f"no run directory under {root} belongs to W&B group {group!r}")
+        raise CompareError(f"no run directory under {root} has a config.yaml naming W&B group {group!r} (the trainer "
+                           "saves config.yaml in every run directory)")
     return runs
 
 
@@ -588,7 +468,8 @@ def plot_runs(runs: Sequence[Run], path: Optional[str | Path] = None, title: Opt
             if panel in axes and xs:
                 axes[panel].plot(xs, [y * scale for y in ys], color=color, label=run.name, linewidth=1.0)
 
-    labels = {PANEL_LOSS_STEP: ("step", "loss"), PANEL_LOSS_TIME: (f"training time ({unit}, sum of step times)", "loss"),
+    labels = {PANEL_LOSS_STEP: ("step", "loss"),
+              PANEL_LOSS_TIME: (f"training time ({unit}, sum of step times)", "loss"),
               PANEL_TOKENS: ("step", "tokens/s (all devices)"), PANEL_MFU: ("step", "MFU (%)")}
     for name, ax in axes.items():
         ax.set_title(name)
@@ -670,7 +551,7 @@ def _list(steps: list[int], limit: int = 8) -> str:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def build_parser(prog: str = "python -m zerotrain.compare") -> argparse.ArgumentParser:
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Compare training runs (loss curves, throughput, summary table) or check loss parity.",
@@ -683,14 +564,11 @@ def build_parser(prog: str = "python -m zerotrain.compare") -> argparse.Argument
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("runs", nargs="*", metavar="RUN",
-                   help="run directory (<run.output_dir>/<run.name>), metrics.jsonl or run-*.wandb file; "
-                        "NAME=PATH names it")
+                   help="run directory (<run.output_dir>/<run.name>) or its metrics.jsonl; NAME=PATH names it")
     p.add_argument("--group", help="a W&B group: online (--project/--entity) or, with --runs-root, local")
     p.add_argument("--project", default=None, help="W&B project for --group (default: $WANDB_PROJECT or zerotrain)")
     p.add_argument("--entity", default=None, help="W&B entity for --group (default: your default entity)")
     p.add_argument("--runs-root", default=None, help="with --group: find the group's run directories under DIR")
-    p.add_argument("--source", choices=("auto", "jsonl", "wandb"), default="auto",
-                   help="what to read in a run directory: auto (metrics.jsonl, else the W&B files), jsonl, wandb")
     p.add_argument("-o", "--out", default=None, help="PNG to write (default compare.png; none with --assert-equal "
                                                      "unless given)")
     p.add_argument("--table", default=None, help="also write the Markdown summary to this file")
@@ -718,13 +596,11 @@ def load_runs(args: argparse.Namespace) -> list[Run]:
     runs: list[Run] = []
     for arg in args.runs:
         name, path = _parse_run_arg(arg)
-        runs.append(load_run_dir(path, name=name, source=args.source))
+        runs.append(load_run_dir(path, name=name))
     if args.group:
         if args.runs_root:
-            runs.extend(find_local_group(args.runs_root, args.group, source=args.source))
+            runs.extend(find_local_group(args.runs_root, args.group))
         else:
-            import os
-
             project = args.project or os.environ.get("WANDB_PROJECT") or "zerotrain"
             runs.extend(load_wandb_group(project, args.group, entity=args.entity))
     elif args.runs_root:
@@ -738,7 +614,7 @@ def load_runs(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m zerotrain.compare") -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     args = build_parser(prog).parse_args(argv)
     try:
@@ -770,4 +646,4 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m zerotrain.
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m tools.compare"))
