@@ -72,8 +72,8 @@ class ModelConfig:
 
 @dataclass
 class HpzConfig:
-    # stock: DeepSpeed <= 0.13.4 (racy, reproduces the failure) | sync: host waits (the paper's fix, DeepSpeed today)
-    # | ordered: device-side ordering with events (ours).
+    # legacy: DeepSpeed <= 0.13.4, the paper's baseline (racy, 0.13's copy rule) | stock: DeepSpeed 0.19.8 minus its
+    # host sync (racy) | sync: host waits (the paper's fix, DeepSpeed today) | ordered: device-side events (ours).
     mode: str = "ordered"
     verify: bool = False
 
@@ -198,7 +198,7 @@ FRAGMENT_GROUPS = ("model", "data", "zero", "optim", "schedule", "cluster")
 
 CHOICES = {
     "model.family": ("llama", "falcon"),
-    "hpz.mode": ("stock", "sync", "ordered"),
+    "hpz.mode": ("legacy", "stock", "sync", "ordered"),
     "data.kind": ("pretrain", "sft"),
     "optim.name": ("adamw", "adam"),
     "schedule.name": ("cosine", "linear", "constant"),
