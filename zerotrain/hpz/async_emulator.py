@@ -703,7 +703,7 @@ def _check_can_install() -> None:
     if getattr(found, "_name", None) != "cpu":
         raise EmulatorError(f"the emulator replaces DeepSpeed's CPU accelerator, but the accelerator is "
                             f"{getattr(found, '_name', found)!r} (DS_ACCELERATOR=cpu selects the CPU one); on a GPU "
-                            f"the race is real, run benchmarks/gpu_check instead")
+                            f"the race is real and needs no emulation (docs/hpz.md)")
 
 
 def _apply_patches(label_engine_phases: bool) -> PatchSet:
