@@ -69,6 +69,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from zerotrain.errors import ZerotrainError
 from zerotrain.launch.layout import NodeLayout
 
 FIELDS = ("calls", "send_intra", "send_inter", "recv_intra", "recv_inter")
@@ -111,7 +112,7 @@ _METHODS: dict[str, str] = {
 }
 
 
-class AccountingError(RuntimeError):
+class AccountingError(ZerotrainError, RuntimeError):
     pass
 
 

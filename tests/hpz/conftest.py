@@ -1,6 +1,6 @@
-"""pytest fixtures for the hpZ tests: one shared torchrun launch of worker_suite.py per session.
+"""pytest fixtures for the hpZ tests: one shared torchrun launch per worker (suite, emulator) per session.
 
-The launch uses the CPU accelerator, gloo, ``OMP_NUM_THREADS=1`` and the repository's torch-extension cache
+The launches use the CPU accelerator, gloo, ``OMP_NUM_THREADS=1`` and the repository's torch-extension cache
 (tools.launcher's CPU environment; DeepSpeed JIT-builds a shared-memory comm op at ``init_distributed``, ~90 s once).
 """
 
@@ -36,4 +36,21 @@ def hpz_suite(tmp_path_factory) -> dict:
     results["returncode"] = proc.returncode
     results["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
     print(f"\nhpZ suite launch: {wall:.1f} s wall; stages: {results.get('seconds')}")
+    return results
+
+
+@pytest.fixture(scope="session")
+def hpz_emulated(tmp_path_factory) -> dict:
+    """Results of worker_emulator.py (DeepSpeed's real engine under the emulated asynchronous accelerator)."""
+    out = tmp_path_factory.mktemp("hpz_emulated") / "out.json"
+    t0 = time.time()
+    proc = torchrun(4, HERE / "worker_emulator.py", str(out), timeout=SUITE_TIMEOUT_S, check=False)
+    wall = time.time() - t0
+    if not out.is_file():
+        raise AssertionError(f"worker_emulator.py wrote no results (exit {proc.returncode}, {wall:.0f} s)\n"
+                             f"{(proc.stdout + proc.stderr)[-6000:]}")
+    results = json.loads(out.read_text())
+    results["launch_wall_seconds"] = round(wall, 1)
+    results["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    print(f"\nhpZ emulator launch: {wall:.1f} s wall ({results.get('seconds')} s of runs)")
     return results

@@ -79,10 +79,11 @@ def test_disabling_a_fix_then_enabling_it_reinstalls_cleanly():
     assert own(DeepSpeedEngine, "load_checkpoint") is original
 
 
-def test_stock_mode_warns_loudly():
+@pytest.mark.parametrize("mode", ["stock", "legacy"])
+def test_racy_modes_warn_loudly(mode):
     with pytest.warns(RuntimeWarning, match="RACY"):
-        hpz.install(mode="stock")
-    assert hpz.active_mode() == "stock"
+        hpz.install(mode=mode)
+    assert hpz.active_mode() == mode
 
 
 def test_bad_mode_rejected():
@@ -110,5 +111,6 @@ def test_pinned_version_is_supported():
 def test_counters_snapshot_and_reset():
     hpz.reset_counters()
     snap = hpz.counters()
-    for name in ("events_recorded", "waits_issued", "host_syncs", "shards_built", "shards_read", "verify_checks"):
+    for name in ("events_recorded", "waits_issued", "host_syncs", "shards_built", "shards_read", "verify_checks",
+                 "device_ordered_copies", "source_record_streams", "legacy_unwritten_elements"):
         assert snap[name] == 0

@@ -8,8 +8,8 @@ small prefetch bucket (shards read by real prefetches); HPZ_QUICK=1 runs a
 reduced matrix (Llama fp32 x 4 modes, Falcon bf16 plain vs ordered) for quick
 local iterations. On the CPU accelerator the modes cannot race, so this proves
 the hooks are numerically transparent and really exercised (counters), not
-that the race is fixed -- that is what test_hpz_ordering.py and the GPU
-benchmark are for.
+that the race is fixed -- that is what the emulated asynchronous accelerator
+(test_hpz_emulated.py, test_hpz_ordering.py) and the GPU check are for.
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ def test_parity_counters_prove_shards_were_built_and_read(hpz_suite):
             assert result["active_mode"] == mode, where
             assert c["shards_built"] > 0, where
             assert result["backward_shard_reads_after_step0"] > 0, f"{where}: shards unused in backward"
-            if mode == "ordered":
-                assert c["events_recorded"] > 0 and c["waits_issued"] > 0 and c["host_syncs"] == 0, where
-                assert c["waits_issued"] <= c["shards_read"], where
-            elif mode == "sync":
-                assert c["host_syncs"] == c["shard_copies"] > 0 and c["waits_issued"] == 0, where
+            # The CPU accelerator orders everything itself: no event, wait or host sync may be issued or
+            # counted (test_hpz_emulated.py sees them under the emulated asynchronous accelerator).
+            assert (c["events_recorded"], c["waits_issued"], c["record_streams"], c["host_syncs"]) == (0, 0, 0, 0)
+            if mode in ("ordered", "sync"):
+                assert c["device_ordered_copies"] == c["shard_copies"] > 0, where
             elif mode == "stock":
-                assert c["unordered_copies"] > 0 and c["waits_issued"] == 0 and c["host_syncs"] == 0, where
+                assert c["unordered_copies"] == c["shard_copies"] > 0, where
 
 
 def test_parity_matrix_covers_required_configurations(hpz_suite):

@@ -14,4 +14,6 @@ def test_hf_trainer_with_hpz(hpz_suite):
     assert t["finite"] and len(t["losses"]) == 4
     c = t["counters"]
     assert c["shards_built"] > 0 and c["shards_read_backward"] > 0
-    assert c["events_recorded"] > 0 and c["waits_issued"] > 0 and c["host_syncs"] == 0
+    # The CPU accelerator orders work itself: ordered issues (and counts) no event, wait or host sync.
+    assert c["device_ordered_copies"] == c["shard_copies"] > 0
+    assert c["events_recorded"] == c["waits_issued"] == c["host_syncs"] == 0

@@ -12,11 +12,11 @@ What is patched and why (see docs/hpz.md):
 
 * ``Init._partition_param_sec`` -- builds the node-local (secondary) shard;
   replaced by :func:`ordering.build_secondary_shard`, whose ordering after
-  the copy depends on the mode (``stock`` / ``sync`` / ``ordered``).
+  the copy depends on the mode (``legacy`` / ``stock`` / ``sync`` / ``ordered``).
 * ``PartitionedParameterCoordinator.__all_gather_params_`` -- the prefetching
   all-gather, the only reader of shards; before it runs, the all-gather stream
-  waits for the shards it reads (``ordered``) and, with ``verify``, shards are
-  checked against the primary partitions.
+  waits for the shards it reads (``ordered``) and then, with ``verify``, shards
+  are checked against the primary partitions on that stream.
 * ``deepspeed.utils.groups`` hpZ group helpers, and
   ``DeepSpeedEngine._configure_zero_optimizer`` / ``_set_zero_group_parallelism``
   -- per-engine hpZ groups and the optimizer-less engine crash.
@@ -29,24 +29,30 @@ What is patched and why (see docs/hpz.md):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import warnings
 from typing import Collection, Dict
 
+from zerotrain.errors import ZerotrainError
+
 from . import counting as _counters
 from . import ordering
+from .ordering import HpzOrderingError
 from .verify import HpzVerificationError
 
 __all__ = [
     "install", "uninstall", "active_mode", "counters", "reset_counters", "is_installed", "MODES",
-    "SUPPORTED_DEEPSPEED", "HpzVersionError", "HpzVerificationError", "patched_attributes"
+    "SUPPORTED_DEEPSPEED", "HpzVersionError", "HpzVerificationError", "HpzOrderingError", "patched_attributes"
 ]
 
 MODES = ordering.MODES
 SUPPORTED_DEEPSPEED = ">=0.19.0,<0.20"  # pinned and tested: 0.19.8
 FIXES = ("groups", "eval_engine", "stale")
+# The coordinator's all-gather stream (a name-mangled private attribute).
+ALLGATHER_STREAM_ATTR = "_PartitionedParameterCoordinator__allgather_stream"
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -55,7 +61,7 @@ _verify = False
 _fixes: frozenset = frozenset()
 
 
-class HpzVersionError(RuntimeError):
+class HpzVersionError(ZerotrainError, RuntimeError):
     """The installed DeepSpeed is outside the range this module was written against."""
 
 
@@ -81,7 +87,10 @@ def install(mode: str = "ordered", verify: bool = False, *, disable_fixes: Colle
     """Install (or re-configure) the hpZ fixes. Call before ``zero.Init`` / ``deepspeed.initialize``.
 
     ``mode``: ``"ordered"`` (default, ours), ``"sync"`` (host waits after each
-    shard copy, = DeepSpeed today) or ``"stock"`` (racy, reproduction only).
+    shard copy, = DeepSpeed today), ``"stock"`` (DeepSpeed today minus that wait:
+    racy) or ``"legacy"`` (DeepSpeed <= 0.13.4, the paper's baseline: racy, and its
+    copy rule leaves parts of some shards unwritten). The racy two reproduce the
+    failure; never train with them.
     ``verify``: check every shard against the primary partitions before it is
     read (costs one small all-gather per shard-reading all-gather).
     ``disable_fixes``: names from :data:`FIXES` to leave unfixed -- for tests
@@ -104,10 +113,10 @@ def install(mode: str = "ordered", verify: bool = False, *, disable_fixes: Colle
             _fixes = fixes
         ordering.set_mode(mode)
         _verify = bool(verify)
-    if mode == "stock":
-        msg = ("zerotrain.hpz: mode 'stock' restores DeepSpeed<=0.13.4's RACY hpZ ordering (DeepSpeed issue "
-               "#5059): the all-gather may read secondary shards before they are written -> loss 0/NaN on GPUs. "
-               "Use it only to reproduce that failure.")
+    if mode in ordering.RACY_MODES:
+        msg = (f"zerotrain.hpz: mode {mode!r} restores DeepSpeed's RACY hpZ ordering (DeepSpeed issue #5059"
+               f"{', and 0.13.x copy rule' if mode == 'legacy' else ''}): the all-gather may read secondary "
+               f"shards before they are written -> loss 0/NaN on GPUs. Use it only to reproduce that failure.")
         logger.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
     logger.info("zerotrain.hpz installed: mode=%s verify=%s fixes=%s", mode, _verify, sorted(fixes))
@@ -160,7 +169,7 @@ def _apply(fixes: frozenset):
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from . import engine_hooks, groups, verify
+    from . import engine_hooks, groups
     from .patch import PatchSet
 
     patches = PatchSet()
@@ -180,12 +189,7 @@ def _apply(fixes: frozenset):
 
     @functools.wraps(gather_original)
     def _all_gather_params_(self, params, forward, quantize=False):
-        readers = ordering.secondary_readers(params)
-        if readers:
-            if _verify:
-                verify.check_shards(readers)
-            stream = getattr(self, "_PartitionedParameterCoordinator__allgather_stream", None)
-            ordering.before_secondary_read(readers, stream, forward=forward)
+        _before_secondary_gather(self, params, forward)
         return gather_original(self, params, forward, quantize)
 
     patches.replace(PartitionedParameterCoordinator, gather_name, _all_gather_params_)
@@ -202,3 +206,24 @@ def _apply(fixes: frozenset):
     groups.install(patches, DeepSpeedEngine, fix_groups="groups" in fixes, fix_eval_engine="eval_engine" in fixes)
     engine_hooks.install(patches, DeepSpeedEngine, fix_groups="groups" in fixes, fix_stale="stale" in fixes)
     return patches
+
+
+def _before_secondary_gather(coordinator, params, forward: bool) -> None:
+    """Run before DeepSpeed's all-gather: order it after the shard copies, then (verify) check the shards.
+
+    Verify reads the shards on the all-gather stream after the waits, i.e. under
+    exactly the ordering the all-gather itself gets: read before the wait (or on
+    another stream) they could still be being written, and verify would report
+    corruption that is not there.
+    """
+    readers = ordering.secondary_readers(params)
+    if not readers:
+        return
+    stream = getattr(coordinator, ALLGATHER_STREAM_ATTR, None)
+    ordering.before_secondary_read(readers, stream, forward=forward)
+    if _verify:
+        from deepspeed.accelerator import get_accelerator
+
+        from . import verify
+        with get_accelerator().stream(stream) if stream is not None else contextlib.nullcontext():
+            verify.check_shards(readers)

@@ -13,7 +13,8 @@ from enum import StrEnum
 class HpzMode(StrEnum):
     """The members are :data:`zerotrain.hpz.MODES` (a test keeps the two the same)."""
 
-    stock = "stock"  # DeepSpeed <= 0.13.4: racy, reproduces the failure (DeepSpeed issue #5059)
+    legacy = "legacy"  # DeepSpeed <= 0.13.4, the paper's baseline: racy, and 0.13's copy rule (see docs/hpz.md)
+    stock = "stock"  # DeepSpeed 0.19.8 minus its host sync: racy, reproduces the failure (DeepSpeed issue #5059)
     sync = "sync"  # the host waits after every shard copy: the paper's fix, DeepSpeed today
     ordered = "ordered"  # ours: the all-gather stream waits on an event recorded after each copy
 
@@ -23,7 +24,7 @@ class HpzConfig:
     """The ``hpz`` section."""
 
     mode: HpzMode = HpzMode.ordered
-    """stock | sync | ordered."""
+    """legacy | stock | sync | ordered."""
     verify: bool = False
     """Check every secondary shard against the primary partitions before it is read (costs one small all-gather
     per shard-reading all-gather); a mismatch stops the run with exit code 4."""

@@ -1,4 +1,4 @@
-"""The hpZ secondary-shard race and its three treatments (``stock``, ``sync``, ``ordered``).
+"""The hpZ secondary-shard race and its treatments (``legacy``, ``stock``, ``sync``, ``ordered``).
 
 The race (DeepSpeed issue #5059, arXiv 2407.01614). When ZeRO-3 releases a
 module's gathered parameters, hpZ copies each parameter's node-local slice into
@@ -8,22 +8,29 @@ Later a prefetching all-gather reads that shard on the coordinator's
 *all-gather* stream. Nothing orders the read after the copy, so the all-gather
 can ship uninitialised memory (loss 0 / NaN).
 
-* ``stock``   -- the original order (DeepSpeed <= 0.13.4): copy, publish, no
-  synchronisation. Exists only to reproduce the failure.
+* ``legacy``  -- DeepSpeed <= 0.13.4 as the paper measured it: the shard is
+  published before it is filled, re-copied on every release, its padding never
+  zeroed, and filled by 0.13's copy rule, which leaves parts of it unwritten when
+  a parameter's size is not a multiple of the data-parallel world size (PR #5216
+  replaced the rule and added the sync). No synchronisation. Reproduction only.
+* ``stock``   -- DeepSpeed 0.19.8's shard build minus its host sync: today's
+  layout (zeroed padding, built once per release cycle), the race alone.
+  Reproduction only.
 * ``sync``    -- what the paper proposes and DeepSpeed >= 0.13.5 does: the host
-  waits for the compute stream after every shard copy. Correct, but one host
+  waits for the compute stream after every shard copy (skipped, as upstream,
+  where the device resolves data dependencies itself). Correct, but one host
   stall per released parameter.
 * ``ordered`` -- ours: no host wait. The writer records an accelerator event on
   the copying stream right after the copy and attaches it to the shard; before
   an all-gather that reads secondary shards, the all-gather stream waits on the
-  events of exactly the shards it reads, and the shard is ``record_stream``-ed
-  onto the all-gather stream so the caching allocator cannot hand its memory to
-  the next (post-step) shard while the gather may still read it.
+  events of exactly the shards it reads. Two ``record_stream`` calls keep memory
+  from being recycled under an unfinished access (see :func:`_protect_copy_source`
+  and :func:`before_secondary_read`).
 
-Only the ``get_accelerator()`` API is used. On the CPU accelerator there are no
-streams (``Event``/``Stream`` are ``None``, the device is synchronised): all
-modes compute the same thing there, but the logical operations are still
-counted so it is visible that the code ran.
+Only the ``get_accelerator()`` API is used. Where the accelerator orders work
+itself (the CPU one is synchronous; ``resolves_data_dependency()``) no event,
+wait or host sync is issued, and the counters say so (``device_ordered_copies``):
+they count only operations really issued.
 """
 
 from __future__ import annotations
@@ -34,9 +41,12 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus, ZeroParamStatus
 
+from zerotrain.errors import ZerotrainError
+
 from . import counting
 
-MODES = ("stock", "sync", "ordered")
+MODES = ("legacy", "stock", "sync", "ordered")
+RACY_MODES = ("legacy", "stock")
 
 _mode: str = "ordered"
 
@@ -46,9 +56,12 @@ _mode: str = "ordered"
 # the writer attaches it before publishing the shard to the parameter.
 EVENT_ATTR = "_zt_hpz_copy_event"
 
-# Optional debug trace: fn(kind, ds_id, stream). Tests use it to observe where
-# copies are enqueued; None (the default) costs one comparison per shard.
+# Optional debug trace: fn(kind, ds_id, stream). None (the default) costs one comparison per shard.
 _trace: Optional[Callable[[str, int, Any], None]] = None
+
+
+class HpzOrderingError(ZerotrainError, RuntimeError):
+    """``ordered`` cannot order the all-gather after the shard copies (no all-gather stream found)."""
 
 
 def set_mode(mode: str) -> None:
@@ -67,9 +80,9 @@ def set_trace(fn: Optional[Callable[[str, int, Any], None]]) -> None:
     _trace = fn
 
 
-def _has_streams(accel: Any) -> bool:
-    """True when the accelerator really runs work asynchronously on streams."""
-    return accel.Event is not None and not accel.is_synchronized_device()
+def needs_ordering(accel: Any) -> bool:
+    """True when work on different streams can overlap, so a shard copy must be ordered before its readers."""
+    return not accel.resolves_data_dependency()
 
 
 # --------------------------------------------------------------------------- writer
@@ -90,30 +103,28 @@ def build_secondary_shard(init: Any, param: torch.nn.Parameter, has_been_updated
     if param.ds_status is not ZeroParamStatus.AVAILABLE:
         return
     shard = param.ds_secondary_tensor
-    if shard is not None and not has_been_updated:
-        return
 
-    # Quantised shards (ZeRO++ qwZ on frozen weights, or quantised later by the ZeRO-3
-    # optimizer) keep DeepSpeed's own path, which host-syncs; rare, and not this module's subject.
+    # Quantised shards (ZeRO++ qwZ on frozen weights) keep DeepSpeed's own path, which host-syncs
+    # (unless the device resolves data dependencies); rare, and not this module's subject.
     quantised = hasattr(shard, "ds_quant_scale") or (shard is None and not param.requires_grad and getattr(
         init, "quantized_nontrainable_weights", False))
+    if _mode == "legacy" and not quantised:
+        _build_legacy(init, param)
+        return
+    if shard is not None and not has_been_updated:
+        return
     if quantised:
         if fallback is None:
             raise RuntimeError("quantized non-trainable hpZ shards need DeepSpeed's original builder")
         fallback(init, param, has_been_updated=has_been_updated)
-        counting.bump("host_syncs")
+        if needs_ordering(get_accelerator()):
+            counting.bump("host_syncs")
         return
 
     shard_numel = init._aligned_size(param) // init.num_ranks_in_param_group
     fresh = shard is None
     if fresh:
-        shard = torch.empty(shard_numel, dtype=param.dtype, device=init.remote_device)
-        if init.pin_memory:
-            shard = get_accelerator().pin_memory(shard)
-        shard.requires_grad = False
-        shard.ds_numel = shard_numel
-        shard.status = PartitionedParamStatus.AVAILABLE
-        shard.final_location = None
+        shard = _new_shard(init, param, shard_numel)
 
     start = shard_numel * init.rank_in_group
     # ds_numel is unpadded: the last slice may be short or empty.
@@ -125,37 +136,116 @@ def build_secondary_shard(init: Any, param: torch.nn.Parameter, has_been_updated
     if _trace is not None:
         _trace("copy", param.ds_id, get_accelerator().current_stream())
 
-    _order_after_copy(shard)
+    _order_after_copy(shard, param)
     counting.bump("shards_built" if fresh else "shards_refreshed")
     counting.bump("shard_copies")
     # Publish last: a reader only ever sees a shard whose ordering token is attached.
     param.ds_secondary_tensor = shard
 
 
-def _order_after_copy(shard: torch.Tensor) -> None:
+def _new_shard(init: Any, param: torch.nn.Parameter, shard_numel: int) -> torch.Tensor:
+    shard = torch.empty(shard_numel, dtype=param.dtype, device=init.remote_device)
+    if init.pin_memory:
+        shard = get_accelerator().pin_memory(shard)
+    shard.requires_grad = False
+    shard.ds_numel = shard_numel
+    shard.status = PartitionedParamStatus.AVAILABLE
+    shard.final_location = None
+    return shard
+
+
+def _build_legacy(init: Any, param: torch.nn.Parameter) -> None:
+    """DeepSpeed <= 0.13.4's secondary partition, reproduced (not copied) for the paper's baseline.
+
+    What differs from today: the shard is published before it is written; it is
+    re-copied on every release (no "already partitioned" check, ``has_been_updated``
+    ignored); its padding is never zeroed; and the copy is decided by this rank's
+    *primary* partition ``[rank*P, (rank+1)*P)`` instead of the shard's own range:
+
+    * primary partition inside the parameter: the whole shard is copied if the
+      shard's range is inside too -- otherwise nothing is;
+    * primary partition straddling the end: ``(numel - rank*P) * groups`` elements
+      are copied (``groups`` = dp size / hpZ size), which is not the shard's valid
+      length in general;
+    * primary partition past the end: nothing.
+
+    So when ``ds_numel`` is not a multiple of the data-parallel size, parts of some
+    ranks' shards keep whatever the memory held. No ordering, no host sync.
+    """
+    aligned = init._aligned_size(param)
+    primary = aligned // init.dp_world_size
+    shard_numel = aligned // init.num_ranks_in_param_group
+    fresh = param.ds_secondary_tensor is None
+    if fresh:
+        param.ds_secondary_tensor = _new_shard(init, param, shard_numel)  # published before it holds data
+    shard = param.ds_secondary_tensor
+
+    numel = param.ds_numel
+    sec_start = shard_numel * init.rank_in_group
+    start = primary * init.rank
+    copied = 0
+    flat = param.contiguous().view(-1)
+    with torch.no_grad():
+        if start < numel and start + primary <= numel:
+            if sec_start + shard_numel <= numel:
+                copied = shard_numel
+        elif start < numel:
+            copied = (numel - start) * param.ds_secondary_tensor_num_of_groups
+        if copied > 0:
+            shard.narrow(0, 0, copied).copy_(flat.narrow(0, sec_start, copied))
+    if _trace is not None:
+        _trace("copy", param.ds_id, get_accelerator().current_stream())
+
+    setattr(shard, EVENT_ATTR, None)
+    valid = max(0, min(numel - sec_start, shard_numel))
+    counting.bump("legacy_unwritten_elements", max(0, valid - copied))
+    counting.bump("unordered_copies")
+    counting.bump("shards_built" if fresh else "shards_refreshed")
+    counting.bump("shard_copies")
+
+
+def _order_after_copy(shard: torch.Tensor, param: torch.nn.Parameter) -> None:
     """Make the just-enqueued shard copy safe to read, the way the active mode prescribes."""
     accel = get_accelerator()
+    setattr(shard, EVENT_ATTR, None)
     if _mode == "stock":
-        # DeepSpeed <= 0.13.4: nothing. The all-gather stream may overtake the copy.
-        setattr(shard, EVENT_ATTR, None)
+        # DeepSpeed 0.19.8 minus its sync: the all-gather stream may overtake the copy.
         counting.bump("unordered_copies")
-    elif _mode == "sync":
+        return
+    if not needs_ordering(accel):
+        counting.bump("device_ordered_copies")
+        return
+    stream = accel.current_stream()
+    if _mode == "sync":
         # DeepSpeed >= 0.13.5 / the paper: stall the host until the copy has run.
-        stream = accel.current_stream()
-        if stream is not None:
-            stream.synchronize()
-        setattr(shard, EVENT_ATTR, None)
+        stream.synchronize()
         counting.bump("host_syncs")
-    else:
-        # Ours: an event marks the copy's completion point on the copying stream; readers
-        # make *their* stream wait on it, so the host never blocks.
-        event = None
-        if _has_streams(accel):
-            event = accel.Event()
-            event.record()  # on the current (copying) stream of this thread
-        # On stream-less devices the copy has already happened; True is a logical token.
-        setattr(shard, EVENT_ATTR, event if event is not None else True)
-        counting.bump("events_recorded")
+        return
+    # Ours: an event marks the copy's completion point on the copying stream; readers make
+    # *their* stream wait on it, so the host never blocks.
+    event = accel.Event()
+    event.record()  # on the current (copying) stream of this thread
+    setattr(shard, EVENT_ATTR, event)
+    counting.bump("events_recorded")
+    _protect_copy_source(param, stream)
+
+
+def _protect_copy_source(param: torch.nn.Parameter, stream: Any) -> None:
+    """Keep the gathered parameter's memory from being recycled before the copy on ``stream`` has read it.
+
+    The gathered parameter is allocated on the all-gather stream. DeepSpeed's
+    ``free_param`` marks it used by the compute stream (``record_stream``) before
+    dropping it, but the leaf-module fast path (``stage3_module_granularity_threshold
+    > 0``) drops it with ``param.data = empty_buffer`` and no ``record_stream``: the
+    caching allocator could then hand the block to the next all-gather while our
+    copy -- enqueued, not yet run, since we do not stall the host -- still has to
+    read it. ``sync`` is safe there because the copy has finished when the host
+    returns; this keeps ``ordered`` as safe.
+    """
+    data = param.data
+    if get_accelerator().on_accelerator(data):
+        data.record_stream(stream)
+        counting.bump("source_record_streams")
 
 
 # --------------------------------------------------------------------------- reader
@@ -176,6 +266,10 @@ def before_secondary_read(readers: List[torch.nn.Parameter], allgather_stream: A
     Must be called before the all-gather is enqueued. A stream-level wait
     orders everything later enqueued on that stream, so issuing it ahead of the
     ``with stream(allgather_stream)`` block in DeepSpeed is sufficient.
+
+    Raises :class:`HpzOrderingError` in ``ordered`` mode when the device needs
+    ordering but ``allgather_stream`` is None: issuing no wait would bring the race
+    back silently.
     """
     if not readers:
         return
@@ -183,21 +277,29 @@ def before_secondary_read(readers: List[torch.nn.Parameter], allgather_stream: A
     counting.bump("shards_read", len(readers))
     if not forward:
         counting.bump("shards_read_backward", len(readers))
-    if _mode != "ordered":
-        return
     accel = get_accelerator()
-    real = allgather_stream is not None and _has_streams(accel)
+    if _mode != "ordered" or not needs_ordering(accel):
+        return
+    if allgather_stream is None:
+        raise HpzOrderingError(
+            "zerotrain.hpz mode 'ordered': the accelerator runs work asynchronously on streams, but no all-gather "
+            "stream was found on DeepSpeed's parameter coordinator (PartitionedParameterCoordinator."
+            "__allgather_stream is missing or None -- a DeepSpeed outside the supported range?). Without it the "
+            "all-gather cannot be ordered after the shard copies and would read them unordered (DeepSpeed issue "
+            "#5059). Use hpz mode 'sync', or the pinned deepspeed==0.19.8.")
     waits = 0
     for param in readers:
         shard = param.ds_secondary_tensor
         event = getattr(shard, EVENT_ATTR, None)
         if event is None:
-            # Built by another mode or by DeepSpeed's own (syncing) path: already safe.
+            # Built by another mode, by DeepSpeed's own (syncing) path, or quantised in place by the
+            # ZeRO-3 optimizer at start-up (which synchronises the device afterwards): already safe.
             continue
-        if real and event is not True:
-            allgather_stream.wait_event(event)
-            if shard.device.type != "cpu":
-                shard.record_stream(allgather_stream)
+        allgather_stream.wait_event(event)
         waits += 1
+        # The shard lives in the compute stream's pool; without this a shard dropped while a read
+        # by an all-gather is still unfinished could be recycled by the compute stream.
+        if accel.on_accelerator(shard):
+            shard.record_stream(allgather_stream)
+            counting.bump("record_streams")
     counting.bump("waits_issued", waits)
-    counting.bump("record_streams", waits)
