@@ -1,7 +1,7 @@
 """The GPU check: hpZ's race, the cost of its fixes and a Llama-2-7B training step, on one NVIDIA GPU, in one table.
 
     .venv/bin/python benchmarks/gpu_check.py --json runs/gpu_check.json            # about 3-4 minutes on one H200
-    .venv/bin/python benchmarks/gpu_check.py --quick --json runs/gpu_check.json    # the 2-minute subset
+    .venv/bin/python benchmarks/gpu_check.py --quick --json runs/gpu_check.json    # the ~1.5-minute subset
 
 Needs one NVIDIA GPU with bf16 (compute capability >= 8.0: A100, H100, H200), a CUDA build of torch (on a Linux CUDA
 node ``pip install -r requirements.txt`` resolves ``torch==2.13.0`` to PyPI's CUDA wheel) and a driver recent enough
@@ -23,6 +23,8 @@ Sections (each a child process with its own hard time budget; a crash or timeout
     is dropped) and its memory handed out again: only an arm that ``record_stream``-s the shard keeps the block away.
 ``stall`` -- host stall in the release path and step time, ``sync`` vs ``ordered`` vs DeepSpeed's own builder, on
     8 Llama-2-7B-shaped layers (forward: fetch, matmuls, release = shard build; backward: fetch from shards, matmuls).
+    Host time in the fetches is shown too: DeepSpeed's fetch throttle (at most 2 gather events in flight) can make
+    the host wait there when nothing waits in the release.
 ``train`` -- a Llama-2-7B-shaped ``LlamaForCausalLM`` under ZeRO-3 on the one GPU, bf16, activation checkpointing,
     ``torch.optim.AdamW(fused=True)``, synthetic tokens, warm-up excluded: tokens/s, TFLOP/s, MFU against the
     device's dense bf16 peak (``zerotrain.metrics``), peak memory next to the memory plan's prediction. Full size
@@ -32,16 +34,17 @@ Sections (each a child process with its own hard time budget; a crash or timeout
 Estimated time on one H200 (989 TFLOP/s dense bf16; ~600 TFLOP/s assumed achieved on these GEMMs, 4.8 TB/s HBM),
 full mode / --quick, each plus ~10-20 s of process start (imports, CUDA and NCCL set-up):
 
-* race: 4 arms x 5 reps (quick 2) x 9 shards x 5 ms of busy kernel = 0.9 s of GPU time; budget 60 s (quick 30 s).
-* record_stream: 4 arms x 9 shards, one 50 ms delay each: < 1 s; budget 45 s (quick 25 s).
+* race: 4 arms x 5 reps (quick 2) x 9 shards x 10 ms of busy kernel = 1.8 s of GPU time; budget 60 s (quick 25).
+* record_stream: 4 arms x 9 shards, one 50 ms delay each: < 1 s; budget 45 s (quick 20 s).
 * stall: 6 T P_layer L = 6 x 4096 tokens x 202.4M x 8 layers = 39.8 TFLOP per step = ~66 ms; 3 arms x 12 steps
   = 2.4 s (quick: 4 layers, 2048 tokens, 3 arms x 4 steps = 0.2 s); building 8 layers ~10 s; budget 120 s (quick 30).
 * train: 46.1 GFLOP/token (6N + 12 L d T, N = 6.61e9 matmul parameters, T = 4096) x 8192 tokens = 3.8e14 model FLOP
-  per step, x4/3 with recomputation = 5.0e14 = ~1.0 s, + ~0.15 s of fused AdamW over 6.74e9 fp32 parameters (~190 GB
-  of HBM traffic) -> ~1.2-1.6 s per step, 13 steps ~20 s, building and ``deepspeed.initialize`` ~60 s; budget 330 s
-  (quick: 4 layers, 2048 tokens, 6 steps, budget 60 s).
+  per step, x4/3 with recomputation = 5.0e14 = ~1.0 s at 500 TFLOP/s, + ~0.15 s of fused AdamW over 6.74e9 fp32
+  parameters (~190 GB of HBM traffic) -> ~1.2-1.6 s per step, 13 steps ~20 s, building and ``deepspeed.initialize``
+  ~60 s; budget 300 s (quick: 4 layers, 2048 tokens, 6 steps, budget 60 s).
+* the device probe: a few seconds; budget 30 s (quick 20 s).
 
-Total expected ~3-4 min (quick ~1.5 min); the hard budgets add up to 9.25 min (quick 2.4 min), so the whole check
+Total expected ~3-4 min (quick ~1.5 min); the hard budgets add up to 9.25 min (quick 2.6 min), so the whole check
 stays under 10 minutes even when a section has to be killed.
 """
 
@@ -58,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,10 +74,11 @@ sys.path.insert(0, str(REPO))  # runnable as a plain script: the repository's ze
 
 SECTIONS = ("race", "record_stream", "stall", "train")
 # Hard budgets in seconds (full, quick): the section's child process is killed when it runs past its budget.
-BUDGET_S = {"probe": (60, 60), "race": (60, 30), "record_stream": (45, 25), "stall": (120, 30), "train": (330, 60)}
+BUDGET_S = {"probe": (30, 20), "race": (60, 25), "record_stream": (45, 20), "stall": (120, 30), "train": (300, 60)}
 RACY_MODES = ("stock", "legacy")  # modes that do not order the shard copy before its read: expected to race
 DEEPSPEED_ARM = "deepspeed"  # DeepSpeed 0.19.8's own builder and coordinator (zerotrain.hpz uninstalled)
 GIB = 2**30
+STARTED = time.monotonic()  # a section's budget counts from its process's start
 
 # Llama-2-7B (Touvron et al. 2023); TINY only exercises the same code on the CPU (tests).
 LLAMA2_7B = {"hidden": 4096, "ffn": 11008, "heads": 32, "layers": 32, "vocab": 32000, "seq": 4096}
@@ -100,9 +105,10 @@ def arms(section: str, modes: Iterable[str]) -> list[str]:
     return [TRAIN_ARM]
 
 
-def row(section: str, arm: str, measure: str, result: str, expected: str, verdict: str, **data: Any) -> dict:
+def row(section: str, arm: str, measure: str, result: str, expected: str, verdict: str,
+        data: dict | None = None) -> dict:
     return {"section": section, "arm": arm, "measure": measure, "result": result, "expected": expected,
-            "verdict": verdict, "data": data}
+            "verdict": verdict, "data": data or {}}
 
 
 def expectation(section: str, arm: str, measure: str = "", record_stream: bool | None = None) -> str:
@@ -120,9 +126,9 @@ def expectation(section: str, arm: str, measure: str = "", record_stream: bool |
 def planned_rows(section: str, modes: Iterable[str], verdict: str, result: str, reason: str) -> list[dict]:
     """The rows a section would print, all with the same verdict and result (skipped, timed out, crashed)."""
     if section == "train":
-        return [row(section, TRAIN_ARM, m, result, expectation(section, TRAIN_ARM, m), verdict, reason=reason)
-                for m in TRAIN_MEASURES]
-    return [row(section, a, MEASURE[section], result, expectation(section, a), verdict, reason=reason)
+        return [row(section, TRAIN_ARM, m, result, expectation(section, TRAIN_ARM, m), verdict,
+                    {"reason": reason}) for m in TRAIN_MEASURES]
+    return [row(section, a, MEASURE[section], result, expectation(section, a), verdict, {"reason": reason})
             for a in arms(section, modes)]
 
 
@@ -220,7 +226,7 @@ def race_rows(raw: dict) -> list[dict]:
             verdict = "PASS" if bad > 0 else "INCONCLUSIVE"
         else:
             verdict = "PASS" if bad == 0 and arm_data["wrong_read"] == 0 else "FAIL"
-        rows.append(row("race", arm, MEASURE["race"], result, expectation("race", arm), verdict, **arm_data))
+        rows.append(row("race", arm, MEASURE["race"], result, expectation("race", arm), verdict, arm_data))
     return rows
 
 
@@ -257,7 +263,7 @@ def record_stream_rows(raw: dict) -> list[dict]:
         else:
             verdict = "PASS" if control_seen else "INCONCLUSIVE"
         rows.append(row("record_stream", d["arm"], MEASURE["record_stream"], result,
-                        expectation("record_stream", d["arm"], record_stream=protected), verdict, **d))
+                        expectation("record_stream", d["arm"], record_stream=protected), verdict, d))
     return rows
 
 
@@ -268,7 +274,7 @@ def stall_rows(raw: dict) -> list[dict]:
     rows = []
     for d in raw["arms"]:
         syncs = d["host_syncs_per_step"]
-        result = (f"{d['release_ms']:.2f} | {d['step_ms']:.2f} ms/step, host syncs/step "
+        result = (f"{d['release_ms']:.2f} | {d['step_ms']:.2f} ms/step (fetch {d['fetch_ms']:.2f}), host syncs/step "
                   f"{'n/a' if syncs is None else syncs}, waits/step {d['waits_per_step'] or 0}, {d['steps']} steps, "
                   f"bytes {'ok' if d['bytes_ok'] else 'WRONG'}")
         if sync and d["arm"] != "sync":
@@ -285,7 +291,7 @@ def stall_rows(raw: dict) -> list[dict]:
             verdict = "FAIL"
         else:
             verdict = "PASS"
-        rows.append(row("stall", d["arm"], MEASURE["stall"], result, expectation("stall", d["arm"]), verdict, **d))
+        rows.append(row("stall", d["arm"], MEASURE["stall"], result, expectation("stall", d["arm"]), verdict, d))
     return rows
 
 
@@ -298,10 +304,12 @@ def train_rows(raw: dict) -> list[dict]:
     peak = raw["peak_tflops"]
     plan_gib, plan_note = raw["plan"]
     measured = raw["peak_allocated"] / GIB
+    checkpointed = raw.get("activation_checkpointing", True)
+    tokens_note = "" if checkpointed else "; activation checkpointing was NOT active"
     rows = [
         row("train", arm, "tokens/s", f"{t['tokens_per_s']:,.0f} ({shape.describe()}; {raw['steps']} steps after "
-            f"{raw['warmup']} warm-up; {losses})", expectation("train", arm, "tokens/s"),
-            "PASS" if finite and raw["steps"] else "FAIL"),
+            f"{raw['warmup']} warm-up; {losses}{tokens_note})", expectation("train", arm, "tokens/s"),
+            "PASS" if finite and raw["steps"] and checkpointed else "FAIL"),
         row("train", arm, "TFLOP/s per GPU", f"{t['tflops']:.1f} (model FLOPs {raw['flops_per_token'] / 1e9:.2f} "
             f"GFLOP/token, recomputation not counted)", "", "INFO"),
         row("train", arm, "MFU", "n/a (unknown device peak)" if t["mfu"] is None else
@@ -593,7 +601,7 @@ class PoisonFreshShards(contextlib.AbstractContextManager):
         factories = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
         stream = accel.Stream() if accel.Stream is not None else None  # the CPU accelerator has no streams
         outer = self
-        self.poisoned = 0
+        self.fresh: list[weakref.ref] = []  # what was poisoned, without keeping it alive
 
         class _Mode(TorchDispatchMode):
 
@@ -606,10 +614,14 @@ class PoisonFreshShards(contextlib.AbstractContextManager):
                     if stream is not None:
                         stream.synchronize()
                     busy()
-                    outer.poisoned += 1
+                    outer.fresh.append(weakref.ref(out))
                 return out
 
         self._mode = _Mode()
+
+    @property
+    def poisoned(self) -> int:
+        return len(self.fresh)
 
     def __enter__(self):
         self._mode.__enter__()
@@ -627,7 +639,7 @@ def race_section(opts: argparse.Namespace) -> dict:
     zero3 = OneDeviceZero3(1, shape["hidden"], shape["ffn"])
     layer, accel = zero3.layers[0], zero3.accel
     params = zero3.params(layer)
-    busy = Busy(ms=5.0)
+    busy = Busy(ms=10.0)  # per shard: well above the host's time to reach the read (~3 ms for 9 shards)
     reps = 2 if opts.quick else 5
     results = []
     for arm in arms("race", opts.modes):
@@ -716,23 +728,29 @@ def stall_section(opts: argparse.Namespace) -> dict:
     compute = LayerCompute(tokens, shape["hidden"], shape["ffn"], zero3.device)
     accel = zero3.accel
 
-    def step(verify: bool) -> tuple[float, bool]:
-        release_s, exact = 0.0, True
+    def step(verify: bool) -> tuple[float, float, bool]:
+        release_s = fetch_s = 0.0
+        exact = True
         for layer in zero3.layers:
-            zero3.fetch(layer, forward=True)
-            compute.forward(zero3.params(layer))
             t0 = time.perf_counter()
+            zero3.fetch(layer, forward=True)
+            t1 = time.perf_counter()
+            compute.forward(zero3.params(layer))
+            t2 = time.perf_counter()
             zero3.release(layer, forward=True)  # builds the shards: where sync stalls the host
-            release_s += time.perf_counter() - t0
+            release_s += time.perf_counter() - t2
+            fetch_s += t1 - t0
         for layer in reversed(zero3.layers):
-            zero3.fetch(layer, forward=False)  # gathers from the shards
+            t0 = time.perf_counter()
+            zero3.fetch(layer, forward=False)  # gathers from the shards; DeepSpeed's fetch throttle may wait here
+            fetch_s += time.perf_counter() - t0
             compute.backward(zero3.params(layer))
             if verify:
                 exact &= zero3.gathered_errors(layer)[2] == 0
             zero3.release(layer, forward=False)
         for layer in zero3.layers:
             zero3.invalidate_shards(layer)  # the optimizer step
-        return release_s, exact
+        return release_s, fetch_s, exact
 
     results = []
     with torch.no_grad():
@@ -741,17 +759,19 @@ def stall_section(opts: argparse.Namespace) -> dict:
             for _ in range(warmup):
                 step(verify=False)
             use_arm(arm)  # counters from the measured steps only
-            release, times, exact = [], [], True
+            release, fetch, times, exact = [], [], [], True
             for i in range(steps):
                 accel.synchronize()
                 t0 = time.perf_counter()
-                r, ok = step(verify=i == steps - 1)
+                r, f, ok = step(verify=i == steps - 1)
                 accel.synchronize()
                 times.append(time.perf_counter() - t0)
                 release.append(r)
+                fetch.append(f)
                 exact &= ok
             c = arm_counters(arm)
             results.append({"arm": arm, "steps": steps, "release_ms": 1e3 * sum(release) / steps,
+                            "fetch_ms": 1e3 * sum(fetch) / steps,
                             "step_ms": 1e3 * sum(times) / steps, "step_ms_min": 1e3 * min(times),
                             "host_syncs_per_step": c["host_syncs"] // steps if c else None,
                             "waits_per_step": c["waits_issued"] // steps if c else None,
@@ -790,15 +810,17 @@ def train_section(opts: argparse.Namespace) -> dict:
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 -- while alive, transformers builds the model under zero.Init
     torch.manual_seed(0)
     model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model.activation_checkpointing_enable()
+    model.activation_checkpointing_enable()  # acts in train mode only (engine.train() below)
     # torch's fused AdamW needs no compiler (DeepSpeed's FusedAdam is JIT-built with nvcc).
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine.train()
+    checkpointing = model.training and model.is_activation_checkpointing
     flops = metrics.flops_per_token(metrics.matmul_params(model), shape.layers, s["hidden"], shape.seq_len)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, s["vocab"], (shape.micro_batch, shape.seq_len), generator=g).to(engine.device)
                for _ in range(warmup + steps)]
-    deadline = time.monotonic() + 0.8 * opts.budget_s
+    deadline = STARTED + 0.85 * opts.budget_s
     losses = []
 
     def train_step(x: torch.Tensor) -> torch.Tensor:
@@ -823,7 +845,7 @@ def train_section(opts: argparse.Namespace) -> dict:
             "flops_per_token": flops, "peak_tflops": metrics.peak_tflops("bf16"),
             "peak_allocated": accel.max_memory_allocated(), "peak_reserved": accel.max_memory_reserved(),
             "device_total": accel.total_memory(), "plan": memory_plan_prediction(shape),
-            "device": metrics.device_name()}
+            "device": metrics.device_name(), "activation_checkpointing": checkpointing}
 
 
 RUNNERS = {"probe": lambda opts: probe(), "race": race_section, "record_stream": record_stream_section,
@@ -870,6 +892,9 @@ def run_in_child(section: str, args: argparse.Namespace, log: Path, gpu: bool) -
                 os.killpg(proc.pid, 9)
                 proc.wait()
                 return None, f"timed out after its {budget} s budget (see {log})"
+            except BaseException:  # Ctrl-C: the child runs in its own session and would outlive us
+                os.killpg(proc.pid, 9)
+                raise
         if rc != 0 or not out.is_file():
             return None, f"exited {rc}: {_last_error_line(log)} (see {log})"
         return json.loads(out.read_text()), ""
@@ -900,7 +925,8 @@ def check(args: argparse.Namespace) -> int:
             raw, error = run_in_child(section, args, log, gpu=True)
             skipped = (raw or {}).get("skipped")
         if device["reason"] is not None:
-            rows += planned_rows(section, modes, "SKIPPED", "no GPU: skipped", skipped)
+            gpu_less = "name" not in device  # a GPU without bf16 is not "no GPU"
+            rows += planned_rows(section, modes, "SKIPPED", "no GPU: skipped" if gpu_less else "skipped", skipped)
         elif skipped is not None:
             rows += planned_rows(section, modes, "SKIPPED", f"skipped: {skipped}", skipped)
         elif raw is None:
@@ -914,7 +940,7 @@ def check(args: argparse.Namespace) -> int:
     title = (f"zerotrain GPU check{' --quick' if args.quick else ''}: {name}{memory}, torch {device['torch']} "
              f"(CUDA {device['torch_cuda']}), DeepSpeed {device['deepspeed']}, hpZ modes {', '.join(modes)}")
     if device["reason"] is not None:
-        title += f"\nno GPU: skipped ({device['reason']})\nneeds: {NEEDS}"
+        title += f"\n{'no GPU: ' if 'name' not in device else ''}skipped ({device['reason']})\nneeds: {NEEDS}"
     print(format_table(title, rows))
     ok = not any(r["verdict"] in BAD_VERDICTS for r in rows)
     checked = any(r["verdict"] != "SKIPPED" for r in rows)
