@@ -175,16 +175,20 @@ def train_memory_estimate(layers: int, micro_batch: int, seq_len: int, shape: di
     return int(states + activations + 5 * GIB)
 
 
-def choose_train_shape(device_bytes: int, quick: bool) -> TrainShape | None:
-    """Full Llama-2-7B where it fits the device, else the most layers that fit; None below 2 layers."""
+def choose_train_shape(device_bytes: int, quick: bool, layers: int | None = None) -> TrainShape | None:
+    """Full Llama-2-7B where it fits the device, else the most layers that fit; None below 2 layers.
+
+    ``layers`` (``--train-layers``) overrides the rule, e.g. if the full model runs out of memory after all.
+    """
     micro_batch, seq_len = (1, 2048) if quick else (2, LLAMA2_7B["seq"])
-    layers = LLAMA2_7B["layers"]
-    while layers >= 2 and train_memory_estimate(layers, micro_batch, seq_len) > device_bytes:
-        layers -= 1
-    if layers < 2:
-        return None
-    if quick:
-        layers = min(layers, 4)
+    if layers is None:
+        layers = LLAMA2_7B["layers"]
+        while layers >= 2 and train_memory_estimate(layers, micro_batch, seq_len) > device_bytes:
+            layers -= 1
+        if layers < 2:
+            return None
+        if quick:
+            layers = min(layers, 4)
     estimate = train_memory_estimate(layers, micro_batch, seq_len)
     return TrainShape(layers, micro_batch, seq_len, layers == LLAMA2_7B["layers"], estimate)
 
@@ -796,7 +800,7 @@ def train_section(opts: argparse.Namespace) -> dict:
     else:
         s = LLAMA2_7B
         device_bytes = torch.cuda.get_device_properties(0).total_memory
-        shape = choose_train_shape(device_bytes, opts.quick)
+        shape = choose_train_shape(device_bytes, opts.quick, opts.train_layers)
         if shape is None:
             return {"skipped": train_requirement(device_bytes, opts.quick)}
     warmup, steps = (1, 2) if opts.tiny else ((2, 4) if opts.quick else (3, 10))
@@ -877,6 +881,8 @@ def run_in_child(section: str, args: argparse.Namespace, log: Path, gpu: bool) -
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--run-section", section, "--section-out", str(out),
                "--budget-s", str(budget)] + (["--quick"] if args.quick else [])
+        if args.train_layers:
+            cmd += ["--train-layers", str(args.train_layers)]
         # A world of one of its own, whatever launcher (SLURM, torchrun) the check itself was started under.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
@@ -957,6 +963,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="the 2-minute subset")
     ap.add_argument("--sections", default=",".join(SECTIONS), type=_sections,
                     help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    ap.add_argument("--train-layers", type=_train_layers, default=None,
+                    help="Llama-2-7B layers in the training step, 2-32 (default: as many as the size rule fits)")
     # Internal: the parent runs each section as `--run-section NAME --section-out FILE`; --tiny runs the same code
     # on tiny shapes, on any DeepSpeed accelerator (the CPU tests).
     ap.add_argument("--run-section", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
@@ -967,6 +975,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.run_section and not args.section_out:
         ap.error("--run-section needs --section-out")
     return args
+
+
+def _train_layers(value: str) -> int:
+    if not value.isdigit() or not 2 <= int(value) <= LLAMA2_7B["layers"]:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a layer count from 2 to {LLAMA2_7B['layers']}")
+    return int(value)
 
 
 def _sections(value: str) -> list[str]:

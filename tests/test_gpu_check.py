@@ -116,6 +116,15 @@ def test_training_size_is_full_llama2_7b_only_where_it_fits(device_gib, layers):
     assert "full" in shape.describe() if shape.full else f"reduced to {layers}/32 layers" in shape.describe()
 
 
+def test_train_layers_override_the_size_rule():
+    shape = gc.choose_train_shape(int(139.7 * GIB), quick=False, layers=24)
+    assert (shape.layers, shape.full) == (24, False)
+    assert shape.estimate_bytes == gc.train_memory_estimate(24, 2, 4096)
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--train-layers", "33"])
+    assert gc.parse_args(["--train-layers", "2"]).train_layers == 2
+
+
 def test_quick_training_is_at_most_4_layers_of_2048_tokens():
     shape = gc.choose_train_shape(int(139.7 * GIB), quick=True)
     assert (shape.layers, shape.micro_batch, shape.seq_len, shape.full) == (4, 1, 2048, False)
