@@ -1,15 +1,11 @@
-"""GPU benchmark of zerotrain.hpz: the cost of the hpZ release path, and the race itself.
+"""GPU benchmark of zerotrain.hpz: the cost of the hpZ release path, and the race in training.
 
-One GPU (``python benchmarks/hpz_release_path.py``): a Llama-2-7B-shaped layer
-stack (hidden 4096, MLP 11008; --layers of them) goes through an emulated
-backward pass: per layer, compute is enqueued on the compute stream, then the
-layer is *released* -- every weight's hpZ secondary shard is built by
-zerotrain.hpz's shard builder (hpZ group of --hpz ranks, this rank = 0) --
-and the next layer's shards are read on a separate all-gather stream, as the
-prefetching all-gather does. Modes ``sync`` (host waits after every shard
-copy, = DeepSpeed >= 0.13.5) and ``ordered`` (ours: events + stream waits) are
-timed: host stall in the release path per step, and step time. The gathered
-bytes are checked against the source weights.
+One GPU (``python benchmarks/hpz_release_path.py``): the ``stall`` section of
+``benchmarks/gpu_check.py`` -- host stall in the release path and step time of
+8 Llama-2-7B-shaped layers under ``sync``, ``ordered`` and DeepSpeed's own
+builder, through DeepSpeed's real ZeRO-3 coordinator (one table, JSON in
+``runs/hpz_release_path.json``). ``gpu_check.py`` runs it with the race checks
+and a training-step benchmark.
 
 2+ GPUs (``torchrun --nproc_per_node N benchmarks/hpz_release_path.py``): a
 small Llama trained with DeepSpeed ZeRO-3 + hpZ under ``stock`` and
@@ -23,8 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from types import SimpleNamespace
 
 import torch
 
@@ -34,78 +28,6 @@ def die(msg: str) -> None:
     sys.exit(2)
 
 
-def release_path(args) -> None:
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    from zerotrain import hpz
-    from zerotrain.hpz import ordering
-
-    dev = torch.device("cuda")
-    dtype = torch.bfloat16
-    shapes = [(4096, 4096)] * 4 + [(11008, 4096)] * 3 + [(4096, )] * 2  # q k v o, gate up down, 2 norms
-    layers = []
-    for _ in range(args.layers):
-        params = []
-        for shape in shapes:
-            p = torch.nn.Parameter(torch.randn(shape, device=dev, dtype=dtype), requires_grad=False)
-            p.ds_id, p.ds_numel = len(layers) * 100 + len(params), p.numel()
-            params.append(p)
-        layers.append(params)
-    init = SimpleNamespace(_aligned_size=lambda p: -(-p.ds_numel // args.hpz) * args.hpz,
-                           num_ranks_in_param_group=args.hpz, rank_in_group=0, remote_device=dev,
-                           pin_memory=False, quantized_nontrainable_weights=False)
-    x = torch.randn(args.tokens, 4096, device=dev, dtype=dtype)
-    allgather = torch.cuda.Stream()
-
-    def step():
-        stall = 0.0
-        gathered = []
-        for i in reversed(range(len(layers))):
-            for p in layers[i]:  # enqueue this layer's "backward" compute
-                if p.dim() == 2:
-                    torch.matmul(x[:, :p.shape[1]], p.t())
-            t0 = time.perf_counter()
-            for p in layers[i]:  # release: build secondary shards (drops the gathered weight in DeepSpeed)
-                p.ds_status, p.ds_secondary_tensor = ZeroParamStatus.AVAILABLE, None
-                ordering.build_secondary_shard(init, p)
-                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
-            stall += time.perf_counter() - t0
-            readers = ordering.secondary_readers(layers[i])
-            ordering.before_secondary_read(readers, allgather)
-            with torch.cuda.stream(allgather):  # the all-gather reads the shards on its own stream
-                gathered.append((readers, [p.ds_secondary_tensor.clone() for p in readers]))
-        torch.cuda.current_stream().wait_stream(allgather)
-        torch.cuda.synchronize()
-        return stall, gathered
-
-    rows = []
-    for mode in ("sync", "ordered"):
-        hpz.install(mode=mode)
-        for _ in range(args.warmup):
-            step()
-        hpz.reset_counters()
-        stalls, times = [], []
-        for _ in range(args.steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            stall, gathered = step()
-            times.append(time.perf_counter() - t0)
-            stalls.append(stall)
-        ok = all(
-            torch.equal(copy[:min(p.ds_numel, copy.numel())], p.detach().view(-1)[:min(p.ds_numel, copy.numel())])
-            for readers, copies in gathered for p, copy in zip(readers, copies))
-        c = hpz.counters()
-        rows.append((mode, 1e3 * sum(stalls) / len(stalls), 1e3 * sum(times) / len(times), c["host_syncs"] //
-                     args.steps, c["waits_issued"] // args.steps, ok))
-    hpz.uninstall()
-    print(f"\nLlama-2-7B-shaped stack: {args.layers} layers, hpZ {args.hpz}, {args.tokens} tokens, bf16, "
-          f"{torch.cuda.get_device_name()}")
-    print(f"{'mode':8} {'host stall/step ms':>19} {'step ms':>9} {'host syncs/step':>16} {'waits/step':>11} "
-          f"{'bytes ok':>9}")
-    for mode, stall, t, syncs, waits, ok in rows:
-        print(f"{mode:8} {stall:19.2f} {t:9.2f} {syncs:16d} {waits:11d} {str(ok):>9}")
-
-
 def race(args) -> None:
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -113,7 +35,7 @@ def race(args) -> None:
 
     from zerotrain import hpz
 
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL comes up
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before NCCL comes up
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     hpz_size = args.hpz if world % args.hpz == 0 and args.hpz <= world else world
@@ -153,18 +75,16 @@ def race(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hpz", type=int, default=8, help="hpZ group size (GPUs per node)")
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--hpz", type=int, default=8, help="2+ GPUs: hpZ group size (GPUs per node)")
+    ap.add_argument("--steps", type=int, default=10, help="2+ GPUs: training steps per mode")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         die("needs CUDA GPUs (streams are what this measures; the CPU accelerator has none)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         race(args)
     else:
-        release_path(args)
+        import gpu_check
+        sys.exit(gpu_check.main(["--sections", "stall", "--json", "runs/hpz_release_path.json"]))
 
 
 if __name__ == "__main__":

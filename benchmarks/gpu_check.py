@@ -1,0 +1,999 @@
+"""The GPU check: hpZ's race, the cost of its fixes and a Llama-2-7B training step, on one NVIDIA GPU, in one table.
+
+    .venv/bin/python benchmarks/gpu_check.py --json runs/gpu_check.json            # about 3-4 minutes on one H200
+    .venv/bin/python benchmarks/gpu_check.py --quick --json runs/gpu_check.json    # the ~1.5-minute subset
+
+Needs one NVIDIA GPU with bf16 (compute capability >= 8.0: A100, H100, H200), a CUDA build of torch (on a Linux CUDA
+node ``pip install -r requirements.txt`` resolves ``torch==2.13.0`` to PyPI's CUDA wheel) and a driver recent enough
+for it. Only device 0 is used. Prints one table, writes a JSON file (and the sections' output to a ``.log`` beside
+it), exits 1 if a check fails. Without a GPU it prints the same table with every row "no GPU: skipped" and exits 0.
+
+Sections (each a child process with its own hard time budget; a crash or timeout marks its rows ERROR):
+
+``race`` -- stock hpZ reads uninitialised shards; ``sync``, ``ordered`` and DeepSpeed's own builder do not.
+    One Llama-2-7B-shaped layer under DeepSpeed's real ZeRO-3 machinery (``DeepSpeedZeRoOffload``: ``zero.Init``'s
+    parameters, the parameter coordinator and its all-gather stream), hpZ group = a real single-rank process group.
+    Per repetition: the layer is released (``coordinator.release_sub_module`` -> ``Init._partition_param_sec``, as
+    patched by ``hpz.install(mode)``, or DeepSpeed's own after ``hpz.uninstall()``) while every fresh shard is
+    NaN-poisoned and the compute stream is kept busy (``torch.cuda._sleep``) before the shard copy; then fetched for
+    backward (``coordinator.fetch_sub_module``), which reads the shards on the all-gather stream through DeepSpeed's
+    own ``_all_gather_dtype``. A world of one never reads shards there (``all_gather_coalesced`` returns early), so
+    each parameter's ``all_gather_coalesced`` is wrapped to skip only that early return. Counts NaNs gathered.
+``record_stream`` -- a shard freed while its gather is still queued on the all-gather stream (a prefetch whose shard
+    is dropped) and its memory handed out again: only an arm that ``record_stream``-s the shard keeps the block away.
+``stall`` -- host stall in the release path and step time, ``sync`` vs ``ordered`` vs DeepSpeed's own builder, on
+    8 Llama-2-7B-shaped layers (forward: fetch, matmuls, release = shard build; backward: fetch from shards, matmuls).
+    Host time in the fetches is shown too: DeepSpeed's fetch throttle (at most 2 gather events in flight) can make
+    the host wait there when nothing waits in the release.
+``train`` -- a Llama-2-7B-shaped ``LlamaForCausalLM`` under ZeRO-3 on the one GPU, bf16, activation checkpointing,
+    ``torch.optim.AdamW(fused=True)``, synthetic tokens, warm-up excluded: tokens/s, TFLOP/s, MFU against the
+    device's dense bf16 peak (``zerotrain.metrics``), peak memory next to the memory plan's prediction. Full size
+    (32 layers) where DeepSpeed's ZeRO-3 estimator plus activations fit the device (an H200: ~127 GiB of ~140),
+    else the largest layer count that fits (80 GB A100/H100: 18), stated in the table.
+
+Estimated time on one H200 (989 TFLOP/s dense bf16; ~600 TFLOP/s assumed achieved on these GEMMs, 4.8 TB/s HBM),
+full mode / --quick, each plus ~10-20 s of process start (imports, CUDA and NCCL set-up):
+
+* race: 4 arms x 5 reps (quick 2) x 9 shards x 10 ms of busy kernel = 1.8 s of GPU time; budget 60 s (quick 25).
+* record_stream: 4 arms x 9 shards, one 50 ms delay each: < 1 s; budget 45 s (quick 20 s).
+* stall: 6 T P_layer L = 6 x 4096 tokens x 202.4M x 8 layers = 39.8 TFLOP per step = ~66 ms; 3 arms x 12 steps
+  = 2.4 s (quick: 4 layers, 2048 tokens, 3 arms x 4 steps = 0.2 s); building 8 layers ~10 s; budget 120 s (quick 30).
+* train: 46.1 GFLOP/token (6N + 12 L d T, N = 6.61e9 matmul parameters, T = 4096) x 8192 tokens = 3.8e14 model FLOP
+  per step, x4/3 with recomputation = 5.0e14 = ~1.0 s at 500 TFLOP/s, + ~0.15 s of fused AdamW over 6.74e9 fp32
+  parameters (~190 GB of HBM traffic) -> ~1.2-1.6 s per step, 13 steps ~20 s, building and ``deepspeed.initialize``
+  ~60 s; budget 300 s (quick: 4 layers, 2048 tokens, 6 steps, budget 60 s).
+* the device probe: a few seconds; budget 30 s (quick 20 s).
+
+Total expected ~3-4 min (quick ~1.5 min); the hard budgets add up to 9.25 min (quick 2.6 min), so the whole check
+stays under 10 minutes even when a section has to be killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+SECTIONS = ("race", "record_stream", "stall", "train")
+# Hard budgets in seconds (full, quick): the section's child process is killed when it runs past its budget.
+BUDGET_S = {"probe": (30, 20), "race": (60, 25), "record_stream": (45, 20), "stall": (120, 30), "train": (300, 60)}
+RACY_MODES = ("stock", "legacy")  # modes that do not order the shard copy before its read: expected to race
+DEEPSPEED_ARM = "deepspeed"  # DeepSpeed 0.19.8's own builder and coordinator (zerotrain.hpz uninstalled)
+GIB = 2**30
+STARTED = time.monotonic()  # a section's budget counts from its process's start
+
+# Llama-2-7B (Touvron et al. 2023); TINY only exercises the same code on the CPU (tests).
+LLAMA2_7B = {"hidden": 4096, "ffn": 11008, "heads": 32, "layers": 32, "vocab": 32000, "seq": 4096}
+TINY = {"hidden": 64, "ffn": 172, "heads": 4, "layers": 2, "vocab": 256, "seq": 32}
+
+TRAIN_ARM = "llama2-7b"
+TRAIN_MEASURES = ("tokens/s", "TFLOP/s per GPU", "MFU", "peak memory", "size-rule estimate", "memory plan prediction")
+MEASURE = {"race": "poisoned elements read", "record_stream": "shard block recycled while read",
+           "stall": "release stall | step time"}
+BAD_VERDICTS = ("FAIL", "ERROR", "INCONCLUSIVE")
+
+# --------------------------------------------------------------------------- pure logic (unit-tested on the CPU)
+
+
+def arms(section: str, modes: Iterable[str]) -> list[str]:
+    """The arms a section compares: zerotrain.hpz's modes (``hpz.MODES``) and DeepSpeed's own builder.
+
+    ``stall`` times the correct arms only: a racy mode's timing is not a cost anybody would pay.
+    """
+    if section == "stall":
+        return [m for m in modes if m not in RACY_MODES] + [DEEPSPEED_ARM]
+    if section in ("race", "record_stream"):
+        return list(modes) + [DEEPSPEED_ARM]
+    return [TRAIN_ARM]
+
+
+def row(section: str, arm: str, measure: str, result: str, expected: str, verdict: str,
+        data: dict | None = None) -> dict:
+    return {"section": section, "arm": arm, "measure": measure, "result": result, "expected": expected,
+            "verdict": verdict, "data": data or {}}
+
+
+def expectation(section: str, arm: str, measure: str = "", record_stream: bool | None = None) -> str:
+    """What a GPU should show in a row (``record_stream``: the arm record_stream-s its shards; default: ordered)."""
+    if section == "race":
+        return "> 0 (racy)" if arm in RACY_MODES else "0"
+    if section == "record_stream":
+        protected = arm == "ordered" if record_stream is None else record_stream
+        return "0 (record_stream)" if protected else "recycled (no record_stream)"
+    if section == "stall":
+        return "0 host syncs, stall < sync" if arm == "ordered" else "bytes ok"
+    return "finite loss" if measure == "tokens/s" else ""
+
+
+def planned_rows(section: str, modes: Iterable[str], verdict: str, result: str, reason: str) -> list[dict]:
+    """The rows a section would print, all with the same verdict and result (skipped, timed out, crashed)."""
+    if section == "train":
+        return [row(section, TRAIN_ARM, m, result, expectation(section, TRAIN_ARM, m), verdict,
+                    {"reason": reason}) for m in TRAIN_MEASURES]
+    return [row(section, a, MEASURE[section], result, expectation(section, a), verdict, {"reason": reason})
+            for a in arms(section, modes)]
+
+
+@dataclass(frozen=True)
+class TrainShape:
+    layers: int
+    micro_batch: int
+    seq_len: int
+    full: bool  # all 32 layers of Llama-2-7B
+    estimate_bytes: int  # this rule's peak estimate, to compare with the measured peak
+
+    def describe(self) -> str:
+        size = "full" if self.full else f"reduced to {self.layers}/{LLAMA2_7B['layers']} layers"
+        return f"{size}, activation ckpt, {self.micro_batch}x{self.seq_len} tokens/step"
+
+
+def llama_params(layers: int, shape: dict = LLAMA2_7B) -> tuple[int, int]:
+    """(total, largest single layer) parameter counts of a Llama-2-7B-shaped model with ``layers`` layers."""
+    h, f, v = shape["hidden"], shape["ffn"], shape["vocab"]
+    per_layer = 4 * h * h + 3 * h * f + 2 * h  # q k v o, gate up down, two RMSNorms
+    total = 2 * v * h + h + layers * per_layer  # untied embedding and head, final norm
+    return total, v * h  # the largest "layer" is the embedding table
+
+
+def train_memory_estimate(layers: int, micro_batch: int, seq_len: int, shape: dict = LLAMA2_7B) -> int:
+    """Peak device bytes of the training step, ZeRO-3 on one GPU, bf16, Adam, activation checkpointing.
+
+    Model states: DeepSpeed's own estimator (``estimate_zero3_model_states_mem_needs``: 18 bytes per parameter
+    plus 4 per parameter of the largest layer; DeepSpeed 0.19.8 really holds 16 -- bf16 weights and gradients, fp32
+    master, Adam's two moments -- plus a transient fp32 gradient per sub-group, which the other 2 bytes cover).
+    Activations (bf16, b x s tokens, hidden h): the checkpointed input of every layer (2 b s h each); one layer's
+    recomputed activations and their gradients, ~2 x 34 b s h (Korthikanti et al. 2022, without the attention-score
+    term that SDPA's fused kernels do not store); logits and loss, 16 bytes per token and vocabulary entry (bf16
+    logits, fp32 copy, fp32 log-softmax, fp32 and bf16 gradients). Plus 5 GiB for the CUDA context, cuBLAS/NCCL
+    workspaces and allocator fragmentation. A rule for choosing the layer count, not the memory plan.
+    """
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    total, largest = llama_params(layers, shape)
+    _, states, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=1, num_nodes=1,
+                                                         cpu_offload=False, cpu_offload_params=False, zero_init=True)
+    tokens, h = micro_batch * seq_len, shape["hidden"]
+    activations = layers * 2 * tokens * h + 2 * 34 * tokens * h + 16 * tokens * shape["vocab"]
+    return int(states + activations + 5 * GIB)
+
+
+def choose_train_shape(device_bytes: int, quick: bool, layers: int | None = None) -> TrainShape | None:
+    """Full Llama-2-7B where it fits the device, else the most layers that fit; None below 2 layers.
+
+    ``layers`` (``--train-layers``) overrides the rule, e.g. if the full model runs out of memory after all.
+    """
+    micro_batch, seq_len = (1, 2048) if quick else (2, LLAMA2_7B["seq"])
+    if layers is None:
+        layers = LLAMA2_7B["layers"]
+        while layers >= 2 and train_memory_estimate(layers, micro_batch, seq_len) > device_bytes:
+            layers -= 1
+        if layers < 2:
+            return None
+        if quick:
+            layers = min(layers, 4)
+    estimate = train_memory_estimate(layers, micro_batch, seq_len)
+    return TrainShape(layers, micro_batch, seq_len, layers == LLAMA2_7B["layers"], estimate)
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float, peak_tflops: float | None) -> dict:
+    """tokens/s, model TFLOP/s per GPU (zerotrain.metrics' FLOPs per token) and MFU (None without a known peak)."""
+    tokens_per_s = tokens / seconds
+    tflops = tokens_per_s * flops_per_token / 1e12
+    return {"tokens_per_s": tokens_per_s, "tflops": tflops, "mfu": tflops / peak_tflops if peak_tflops else None}
+
+
+def memory_plan_prediction(shape: TrainShape) -> tuple[float | None, str]:
+    """Slot for the memory plan's predicted peak (GiB) of this run (issue 10's ``train.py --plan``).
+
+    ``zerotrain.memory_plan`` does not exist yet; once it does, call it here with this run's shape (Llama-2-7B,
+    ``shape.layers`` layers, ZeRO-3, one GPU, bf16, ``shape.micro_batch`` x ``shape.seq_len``, checkpointing).
+    """
+    try:
+        import zerotrain.memory_plan  # noqa: F401
+    except ImportError:
+        return None, "n/a: zerotrain.memory_plan does not exist yet"
+    return None, "n/a: zerotrain.memory_plan exists but the GPU check does not call it yet"
+
+
+def race_rows(raw: dict) -> list[dict]:
+    """Verdicts of the race: racy modes must read poison (else the check proves nothing), the others none."""
+    rows = []
+    for arm_data in raw["arms"]:
+        arm, n, bad = arm_data["arm"], arm_data["elements_read"], arm_data["poisoned_read"]
+        racy = arm in RACY_MODES
+        result = f"{bad:,} of {n:,} ({100 * bad / max(n, 1):.0f}%), {arm_data['reps']} reps"
+        harness = _harness_error(arm_data["shards_built"], arm_data["poisoned_allocations"], arm_data["shards_read"])
+        if harness:
+            verdict, result = "ERROR", f"{result}; {harness}"
+        elif not raw["has_streams"]:
+            verdict = "INFO"
+            result += " (synchronous device: nothing can race)"
+        elif racy:
+            verdict = "PASS" if bad > 0 else "INCONCLUSIVE"
+        else:
+            verdict = "PASS" if bad == 0 and arm_data["wrong_read"] == 0 else "FAIL"
+        rows.append(row("race", arm, MEASURE["race"], result, expectation("race", arm), verdict, arm_data))
+    return rows
+
+
+def _harness_error(shards: int, poisoned: int, read: int) -> str:
+    """Why a race measurement proves nothing: fresh shards not all poisoned, or not all read through DeepSpeed."""
+    problems = []
+    if poisoned != shards:
+        problems.append(f"harness poisoned {poisoned} of {shards} fresh shards")
+    if read != shards:
+        problems.append(f"DeepSpeed's gather read {read} of {shards} shards")
+    return "; ".join(problems)
+
+
+def record_stream_rows(raw: dict) -> list[dict]:
+    """Protected = the arm record_stream-ed its shards (hpz counters); its blocks must not be handed out again.
+
+    Unprotected arms are the negative control: if none of them saw its block recycled, the check proves nothing.
+    """
+    data = raw["arms"]
+    control_seen = any(d["recycled"] > 0 and d["poisoned_read"] > 0 for d in data if not d["record_streams"])
+    rows = []
+    for d in data:
+        protected = bool(d["record_streams"])
+        result = (f"{d['recycled']} of {d['shards']} blocks recycled, {d['poisoned_read']:,} of "
+                  f"{d['elements_read']:,} elements read poisoned")
+        if d["shards_read"] != d["shards"]:
+            verdict, result = "ERROR", f"{result}; DeepSpeed's gather read {d['shards_read']} of {d['shards']} shards"
+        elif not raw["has_streams"]:
+            verdict, result = "INFO", result + " (synchronous device)"
+        elif not protected:
+            verdict = "INFO"
+        elif d["recycled"] or d["poisoned_read"] or d["wrong_read"]:
+            verdict = "FAIL"
+        else:
+            verdict = "PASS" if control_seen else "INCONCLUSIVE"
+        rows.append(row("record_stream", d["arm"], MEASURE["record_stream"], result,
+                        expectation("record_stream", d["arm"], record_stream=protected), verdict, d))
+    return rows
+
+
+def stall_rows(raw: dict) -> list[dict]:
+    """``ordered`` must never stall the host and must stall it less than ``sync``; every arm gathers exact bytes."""
+    by_arm = {d["arm"]: d for d in raw["arms"]}
+    sync = by_arm.get("sync")
+    rows = []
+    for d in raw["arms"]:
+        syncs = d["host_syncs_per_step"]
+        result = (f"{d['release_ms']:.2f} | {d['step_ms']:.2f} ms/step (fetch {d['fetch_ms']:.2f}), host syncs/step "
+                  f"{'n/a' if syncs is None else syncs}, waits/step {d['waits_per_step'] or 0}, {d['steps']} steps, "
+                  f"bytes {'ok' if d['bytes_ok'] else 'WRONG'}")
+        if sync and d["arm"] != "sync":
+            result += f", step {d['step_ms'] / sync['step_ms']:.3f}x sync"
+        ordered = d["arm"] == "ordered"
+        fast = sync is None or d["release_ms"] < sync["release_ms"]
+        if d["shards_read_per_step"] != d["shard_copies_per_step"]:
+            verdict, result = "ERROR", f"{result}; read {d['shards_read_per_step']} shards per step"
+        elif not d["bytes_ok"]:
+            verdict = "FAIL"
+        elif not raw["has_streams"]:
+            verdict = "INFO"
+        elif ordered and not (syncs == 0 and fast):
+            verdict = "FAIL"
+        else:
+            verdict = "PASS"
+        rows.append(row("stall", d["arm"], MEASURE["stall"], result, expectation("stall", d["arm"]), verdict, d))
+    return rows
+
+
+def train_rows(raw: dict) -> list[dict]:
+    shape = TrainShape(**raw["shape"])
+    arm = f"{TRAIN_ARM} {shape.layers}L"
+    t = throughput(raw["tokens"], raw["seconds"], raw["flops_per_token"], raw["peak_tflops"])
+    finite = all(math.isfinite(x) for x in raw["losses"])
+    losses = f"loss {raw['losses'][0]:.3f} -> {raw['losses'][-1]:.3f}" if raw["losses"] else "no steps"
+    peak = raw["peak_tflops"]
+    plan_gib, plan_note = raw["plan"]
+    measured = raw["peak_allocated"] / GIB
+    checkpointed = raw.get("activation_checkpointing", True)
+    tokens_note = "" if checkpointed else "; activation checkpointing was NOT active"
+    rows = [
+        row("train", arm, "tokens/s", f"{t['tokens_per_s']:,.0f} ({shape.describe()}; {raw['steps']} steps after "
+            f"{raw['warmup']} warm-up; {losses}{tokens_note})", expectation("train", arm, "tokens/s"),
+            "PASS" if finite and raw["steps"] and checkpointed else "FAIL"),
+        row("train", arm, "TFLOP/s per GPU", f"{t['tflops']:.1f} (model FLOPs {raw['flops_per_token'] / 1e9:.2f} "
+            f"GFLOP/token, recomputation not counted)", "", "INFO"),
+        row("train", arm, "MFU", "n/a (unknown device peak)" if t["mfu"] is None else
+            f"{100 * t['mfu']:.1f}% of {peak:.0f} TFLOP/s dense bf16", "", "INFO"),
+        row("train", arm, "peak memory", f"{measured:.1f} GiB allocated, {raw['peak_reserved'] / GIB:.1f} GiB "
+            f"reserved, of {raw['device_total'] / GIB:.1f} GiB", "", "INFO"),
+        row("train", arm, "size-rule estimate", f"{shape.estimate_bytes / GIB:.1f} GiB "
+            f"({shape.estimate_bytes / max(raw['peak_allocated'], 1):.2f}x measured)", "", "INFO"),
+        row("train", arm, "memory plan prediction",
+            plan_note if plan_gib is None else f"{plan_gib:.1f} GiB ({plan_gib / measured:.2f}x measured)", "", "INFO"),
+    ]
+    for r in rows:
+        r["data"] = raw
+    return rows
+
+
+ROWS_OF = {"race": race_rows, "record_stream": record_stream_rows, "stall": stall_rows, "train": train_rows}
+
+
+NEEDS = ("one NVIDIA GPU with bf16 (compute capability >= 8.0: A100, H100, H200); >= 16 GiB of GPU memory for the "
+         "hpZ sections (race, record_stream, stall), >= 23 GiB for a reduced training step, ~127 GiB for full "
+         "Llama-2-7B (a 141 GB H200); a CUDA build of torch (torch==2.13.0 from PyPI on a Linux CUDA node) and an "
+         "NVIDIA driver that supports its CUDA version")
+
+
+def format_table(title: str, rows: list[dict]) -> str:
+    header = ("section", "arm", "measure", "result", "expected", "verdict")
+    cells = [header] + [tuple(str(r[k]) for k in header) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(header))).rstrip() for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join([title] + lines)
+
+
+def write_json_atomically(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+        json.dump(payload, f, indent=2, default=str)
+    os.replace(f.name, path)
+
+
+# --------------------------------------------------------------------------- the device (probe child)
+
+
+def probe() -> dict:
+    """What this machine offers, and why the check cannot run here (``reason``), if it cannot."""
+    import deepspeed
+
+    from zerotrain import hpz
+
+    info = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "deepspeed": deepspeed.__version__,
+            "modes": list(hpz.MODES), "reason": None}
+    if torch.version.cuda is None:
+        info["reason"] = (f"torch {torch.__version__} is a CPU-only build; on a Linux CUDA node "
+                          f"`pip install -r requirements.txt` installs PyPI's CUDA build of torch==2.13.0")
+    elif not torch.cuda.is_available():
+        info["reason"] = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no GPU "
+                          f"(check nvidia-smi, the driver version, CUDA_VISIBLE_DEVICES)")
+    else:
+        props = torch.cuda.get_device_properties(0)
+        info.update(name=props.name, total_memory=props.total_memory, capability=f"{props.major}.{props.minor}",
+                    device_count=torch.cuda.device_count())
+        if props.major < 8:
+            info["reason"] = f"{props.name} has no bf16 (compute capability {props.major}.{props.minor} < 8.0)"
+    return info
+
+
+def section_requirement(section: str, device: dict, quick: bool) -> str | None:
+    """Why this device cannot run this section (too little memory), or None. ``train`` decides in its child."""
+    need_gib = {"race": 4, "record_stream": 4, "stall": 8 if quick else 16}.get(section)
+    if need_gib and device["total_memory"] < need_gib * GIB:
+        return f"needs {need_gib} GiB of GPU memory, {device['name']} has {device['total_memory'] / GIB:.1f}"
+    return None
+
+
+def train_requirement(device_bytes: int, quick: bool) -> str:
+    micro_batch, seq_len = (1, 2048) if quick else (2, LLAMA2_7B["seq"])
+    need = train_memory_estimate(2, micro_batch, seq_len)
+    return f"needs {need / GIB:.0f} GiB for 2 Llama-2-7B layers; the device has {device_bytes / GIB:.1f}"
+
+
+# --------------------------------------------------------------------------- DeepSpeed's ZeRO-3 on one device
+
+
+def init_world_of_one() -> None:
+    """A real single-rank process group (NCCL on a GPU): what DeepSpeed's gather needs to run at all."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False,
+                                   auto_mpi_discovery=False)
+
+
+def layer_shapes(hidden: int, ffn: int) -> list[tuple[int, ...]]:
+    """One Llama decoder layer's parameters, [out, in]: q k v o, gate up down, two RMSNorm weights."""
+    return [(hidden, hidden)] * 4 + [(ffn, hidden)] * 2 + [(hidden, ffn)] + [(hidden, )] * 2
+
+
+class DecoderLayerWeights(torch.nn.Module):
+    """A Llama decoder layer's weights as direct parameters, so ZeRO-3 fetches and releases them as one module."""
+
+    def __init__(self, hidden: int, ffn: int, device: torch.device, generator: torch.Generator):
+        super().__init__()
+        for i, shape in enumerate(layer_shapes(hidden, ffn)):
+            weight = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=generator)
+            self.register_parameter(f"w{i}", torch.nn.Parameter(weight))
+
+
+class OneDeviceZero3:
+    """DeepSpeed 0.19.8's ZeRO-3 parameter machinery with hpZ, on one device, driven by hand.
+
+    ``DeepSpeedZeRoOffload`` (what a ZeRO-3 engine builds) converts the layers through ``zero.Init`` with the hpZ
+    group set to a real single-rank group, and owns the parameter coordinator and its all-gather stream. We call the
+    coordinator the way its module hooks do: ``fetch`` before a layer's compute, ``release`` after it. Release builds
+    shards through ``Init._partition_param_sec`` (ours while zerotrain.hpz is installed, DeepSpeed's otherwise).
+    """
+
+    def __init__(self, n_layers: int, hidden: int, ffn: int):
+        import deepspeed.comm as dist
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+        init_world_of_one()
+        self.accel = get_accelerator()
+        self.device = torch.device(self.accel.current_device_name())
+        generator = torch.Generator(self.device).manual_seed(0)
+        self.layers = torch.nn.ModuleList(DecoderLayerWeights(hidden, ffn, self.device, generator)
+                                          for _ in range(n_layers))
+        config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        self.offload = DeepSpeedZeRoOffload(self.layers, timers=None, ds_config=config, overlap_comm=True,
+                                            prefetch_bucket_size=0, max_reuse_distance=0,
+                                            max_live_parameters=10**12, param_persistence_threshold=0,
+                                            zero_param_parallel_group=dist.new_group([0]))
+        self.coordinator = self.offload.get_param_coordinator()
+        self.allgather_stream = _private(self.coordinator, "_PartitionedParameterCoordinator__allgather_stream")
+        for param in self.layers.parameters():
+            serve_shards_in_a_world_of_one(param)
+        self.cycle(self.layers[0])  # brings up the hpZ group's communicator before anything is measured
+
+    def cycle(self, layer: torch.nn.Module) -> None:
+        """Forward fetch and release (builds shards), backward fetch from the shards and release, step."""
+        self.fetch(layer, forward=True)
+        self.release(layer, forward=True)
+        self.fetch(layer, forward=False)
+        self.release(layer, forward=False)
+        self.invalidate_shards(layer)
+        self.accel.synchronize()
+
+    def params(self, layer: torch.nn.Module) -> list[torch.nn.Parameter]:
+        return list(layer._parameters.values())  # not layer.parameters(): no ZeRO attribute hooks involved
+
+    def fetch(self, layer: torch.nn.Module, forward: bool) -> None:
+        self.coordinator.fetch_sub_module(layer, forward=forward)
+
+    def release(self, layer: torch.nn.Module, forward: bool) -> None:
+        self.coordinator.release_sub_module(layer, forward=forward)
+
+    def prefetch(self, layer: torch.nn.Module) -> None:
+        """Queue the gather of a layer without waiting for it, as the coordinator's backward prefetch does."""
+        gather = _private(self.coordinator, "_PartitionedParameterCoordinator__all_gather_params")
+        gather(set(self.params(layer)), False)
+
+    def invalidate_shards(self, layer: torch.nn.Module) -> None:
+        """What DeepSpeed's ``invalidate_secondary_tensor`` does after every optimizer step."""
+        for param in self.params(layer):
+            param.ds_secondary_tensor = None
+
+    def gathered_errors(self, layer: torch.nn.Module) -> tuple[int, int, int]:
+        """(elements, NaN elements, elements differing from the primary partition) of the fetched layer."""
+        total = nan = wrong = 0
+        for p in self.params(layer):
+            primary = p.ds_tensor.narrow(0, 0, p.ds_numel).view(p.ds_shape)  # a world of one: the whole parameter
+            total += p.ds_numel
+            nan += int(torch.isnan(p.data).sum())
+            wrong += int((p.data != primary).sum())
+        return total, nan, wrong
+
+
+def _private(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise RuntimeError(f"DeepSpeed {type(obj).__name__} has no {name} (written against DeepSpeed 0.19.8)") from None
+
+
+def _closure(fn: Callable, names: tuple[str, ...]) -> dict:
+    """Variables of the closure that holds ``names``, looking through DeepSpeed's instrument_w_nvtx wrappers."""
+    scope = inspect.getclosurevars(fn).nonlocals
+    while not all(n in scope for n in names) and callable(scope.get("func")):
+        scope = inspect.getclosurevars(scope["func"]).nonlocals
+    missing = [n for n in names if n not in scope]
+    if missing:
+        raise RuntimeError(f"DeepSpeed's all_gather_coalesced closure has no {missing} (written against 0.19.8)")
+    return scope
+
+
+# Parameters DeepSpeed's gather served from shards (through the wrapper below): every arm, DeepSpeed's included,
+# must really read the shards, or "0 poisoned" would prove nothing.
+SHARD_READS = {"params": 0}
+
+
+def serve_shards_in_a_world_of_one(param: torch.nn.Parameter) -> None:
+    """Make ``param.all_gather_coalesced`` gather from hpZ shards although the world has one rank.
+
+    DeepSpeed's ``all_gather_coalesced`` returns early when the partition group has one rank, so on one device the
+    shard would never be read. For parameters with shards we make the call it makes after that early return --
+    statuses to INFLIGHT, sorted by ds_id, then its own ``_all_gather_coalesced`` (-> ``_all_gather_dtype``) or
+    ``_all_gather_sequential`` on the hpZ group -- and leave everything else to DeepSpeed's function.
+    """
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    original = param.all_gather_coalesced
+    scope = _closure(original, ("self", "_all_gather_coalesced", "_all_gather_sequential"))
+    init = scope["self"]
+
+    def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
+        params = list(params)
+        if not params or params[0].ds_secondary_tensor is None:
+            return original(params, safe_mode=safe_mode, quantize=quantize)
+        for p in params:
+            if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+                raise RuntimeError(p.ds_summary())
+            p.ds_status = ZeroParamStatus.INFLIGHT
+        params = sorted(params, key=lambda p: p.ds_id)
+        SHARD_READS["params"] += len(params)
+        world, group = init.num_ranks_in_param_group, init.zero_param_process_group
+        if init.allgather_sequential or len(params) == 1:
+            return scope["_all_gather_sequential"](params, world, True, group, quantize)
+        return scope["_all_gather_coalesced"](params, world, init.rank_in_group, True, group, quantize)
+
+    param.all_gather_coalesced = all_gather_coalesced
+
+
+def use_arm(arm: str) -> None:
+    from zerotrain import hpz
+
+    if arm == DEEPSPEED_ARM:
+        hpz.uninstall()
+    else:
+        hpz.install(mode=arm)
+    hpz.reset_counters()
+    SHARD_READS["params"] = 0
+
+
+def arm_counters(arm: str) -> dict | None:
+    from zerotrain import hpz
+
+    return None if arm == DEEPSPEED_ARM else hpz.counters()
+
+
+class Busy:
+    """Keeps the current (compute) stream busy for ``ms``: a spinning kernel, calibrated once. No-op without CUDA."""
+
+    def __init__(self, ms: float):
+        self.cycles = 0
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            self.cycles = int(10_000_000 * ms / start.elapsed_time(end))
+
+    def __call__(self) -> None:
+        if self.cycles:
+            torch.cuda._sleep(self.cycles)
+
+
+class PoisonFreshShards(contextlib.AbstractContextManager):
+    """While active, every fresh tensor of a shard's size is NaN-filled, then the compute stream is made busy.
+
+    The fill runs on a side stream and the host waits for it, so the poison is in memory before anything can read
+    it, without ordering anything else; the busy kernel then delays the shard copy the builder enqueues next on the
+    compute stream. A reader that is not ordered after that copy reads NaN. A ``TorchDispatchMode`` sees every
+    allocation however the builder makes it.
+    """
+
+    def __init__(self, shard_numels: set[int], busy: Callable[[], None], accel: Any):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        aten = torch.ops.aten
+        factories = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+        stream = accel.Stream() if accel.Stream is not None else None  # the CPU accelerator has no streams
+        outer = self
+        self.fresh: list[weakref.ref] = []  # what was poisoned, without keeping it alive
+
+        class _Mode(TorchDispatchMode):
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if (func.overloadpacket in factories and isinstance(out, torch.Tensor) and out.is_floating_point()
+                        and out.numel() in shard_numels):
+                    with accel.stream(stream):
+                        out.fill_(float("nan"))
+                    if stream is not None:
+                        stream.synchronize()
+                    busy()
+                    outer.fresh.append(weakref.ref(out))
+                return out
+
+        self._mode = _Mode()
+
+    @property
+    def poisoned(self) -> int:
+        return len(self.fresh)
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+
+# --------------------------------------------------------------------------- sections (child processes)
+
+
+def race_section(opts: argparse.Namespace) -> dict:
+    shape = TINY if opts.tiny else LLAMA2_7B
+    zero3 = OneDeviceZero3(1, shape["hidden"], shape["ffn"])
+    layer, accel = zero3.layers[0], zero3.accel
+    params = zero3.params(layer)
+    busy = Busy(ms=10.0)  # per shard: well above the host's time to reach the read (~3 ms for 9 shards)
+    reps = 2 if opts.quick else 5
+    results = []
+    for arm in arms("race", opts.modes):
+        use_arm(arm)
+        d = {"arm": arm, "reps": reps, "elements_read": 0, "poisoned_read": 0, "wrong_read": 0,
+             "shards_built": reps * len(params), "poisoned_allocations": 0}
+        for _ in range(reps):
+            zero3.invalidate_shards(layer)
+            zero3.fetch(layer, forward=True)  # from the primary partitions (no shards yet)
+            accel.synchronize()
+            with PoisonFreshShards({p.ds_numel for p in params}, busy, accel) as poison:
+                zero3.release(layer, forward=True)  # builds the shards: copies queued behind the busy kernel
+            zero3.fetch(layer, forward=False)  # reads the shards on the all-gather stream
+            accel.synchronize()
+            total, nan, wrong = zero3.gathered_errors(layer)
+            d["elements_read"] += total
+            d["poisoned_read"] += nan
+            d["wrong_read"] += wrong
+            d["poisoned_allocations"] += poison.poisoned
+            zero3.release(layer, forward=False)
+        d["counters"] = arm_counters(arm)
+        d["shards_read"] = SHARD_READS["params"]
+        results.append(d)
+    return {"arms": results, "has_streams": not accel.is_synchronized_device(), "busy_cycles": busy.cycles}
+
+
+def record_stream_section(opts: argparse.Namespace) -> dict:
+    shape = TINY if opts.tiny else LLAMA2_7B
+    zero3 = OneDeviceZero3(1, shape["hidden"], shape["ffn"])
+    layer, accel = zero3.layers[0], zero3.accel
+    params = zero3.params(layer)
+    late = Busy(ms=50.0)
+    results = []
+    for arm in arms("record_stream", opts.modes):
+        use_arm(arm)
+        zero3.invalidate_shards(layer)
+        zero3.fetch(layer, forward=True)
+        zero3.release(layer, forward=True)  # shards built normally
+        accel.synchronize()
+        accel.empty_cache()  # no spare cached blocks: a new allocation gets a freed shard's block or fresh memory
+        freed = {p.ds_secondary_tensor.data_ptr() for p in params}
+        with accel.stream(zero3.allgather_stream):
+            late()  # the all-gather stream is behind: the gather queued next reads late
+        zero3.prefetch(layer)  # the gather (and, in ordered, record_stream) is queued; nobody waits for it yet
+        zero3.invalidate_shards(layer)  # shards freed while their gather is still queued
+        reused = [torch.empty(p.ds_numel, dtype=p.dtype, device=zero3.device).fill_(float("nan")) for p in params]
+        recycled = sum(t.data_ptr() in freed for t in reused)
+        zero3.fetch(layer, forward=False)  # waits for the queued gather
+        accel.synchronize()
+        total, nan, wrong = zero3.gathered_errors(layer)
+        del reused
+        zero3.release(layer, forward=False)
+        counters = arm_counters(arm)
+        results.append({"arm": arm, "shards": len(params), "shards_read": SHARD_READS["params"],
+                        "recycled": recycled, "elements_read": total, "poisoned_read": nan, "wrong_read": wrong,
+                        "record_streams": counters["record_streams"] if counters else 0})
+    return {"arms": results, "has_streams": not accel.is_synchronized_device()}
+
+
+class LayerCompute:
+    """A layer's forward (1 GEMM per weight) and backward (2 GEMMs per weight) on the compute stream, in bf16."""
+
+    def __init__(self, tokens: int, hidden: int, ffn: int, device: torch.device):
+        def randn(*shape):
+            return torch.randn(*shape, device=device, dtype=torch.bfloat16)
+
+        self.act = {hidden: randn(tokens, hidden), ffn: randn(tokens, ffn)}
+        self.out = {hidden: randn(tokens, hidden), ffn: randn(tokens, ffn)}
+        self.grad = {s: randn(*s) for s in set(layer_shapes(hidden, ffn)) if len(s) == 2}
+
+    def forward(self, weights: list[torch.Tensor]) -> None:
+        for w in (w for w in weights if w.dim() == 2):
+            torch.mm(self.act[w.shape[1]], w.t(), out=self.out[w.shape[0]])
+
+    def backward(self, weights: list[torch.Tensor]) -> None:
+        for w in (w for w in weights if w.dim() == 2):
+            torch.mm(self.act[w.shape[0]], w, out=self.out[w.shape[1]])  # input gradient
+            torch.mm(self.act[w.shape[0]].t(), self.act[w.shape[1]], out=self.grad[tuple(w.shape)])  # weight grad
+
+
+def stall_section(opts: argparse.Namespace) -> dict:
+    shape = TINY if opts.tiny else LLAMA2_7B
+    n_layers, tokens = (2, 16) if opts.tiny else ((4, 2048) if opts.quick else (8, 4096))
+    warmup, steps = (1, 3) if opts.quick or opts.tiny else (2, 10)
+    zero3 = OneDeviceZero3(n_layers, shape["hidden"], shape["ffn"])
+    compute = LayerCompute(tokens, shape["hidden"], shape["ffn"], zero3.device)
+    accel = zero3.accel
+
+    def step(verify: bool) -> tuple[float, float, bool]:
+        release_s = fetch_s = 0.0
+        exact = True
+        for layer in zero3.layers:
+            t0 = time.perf_counter()
+            zero3.fetch(layer, forward=True)
+            t1 = time.perf_counter()
+            compute.forward(zero3.params(layer))
+            t2 = time.perf_counter()
+            zero3.release(layer, forward=True)  # builds the shards: where sync stalls the host
+            release_s += time.perf_counter() - t2
+            fetch_s += t1 - t0
+        for layer in reversed(zero3.layers):
+            t0 = time.perf_counter()
+            zero3.fetch(layer, forward=False)  # gathers from the shards; DeepSpeed's fetch throttle may wait here
+            fetch_s += time.perf_counter() - t0
+            compute.backward(zero3.params(layer))
+            if verify:
+                exact &= zero3.gathered_errors(layer)[2] == 0
+            zero3.release(layer, forward=False)
+        for layer in zero3.layers:
+            zero3.invalidate_shards(layer)  # the optimizer step
+        return release_s, fetch_s, exact
+
+    results = []
+    with torch.no_grad():
+        for arm in arms("stall", opts.modes):
+            use_arm(arm)
+            for _ in range(warmup):
+                step(verify=False)
+            use_arm(arm)  # counters from the measured steps only
+            release, fetch, times, exact = [], [], [], True
+            for i in range(steps):
+                accel.synchronize()
+                t0 = time.perf_counter()
+                r, f, ok = step(verify=i == steps - 1)
+                accel.synchronize()
+                times.append(time.perf_counter() - t0)
+                release.append(r)
+                fetch.append(f)
+                exact &= ok
+            c = arm_counters(arm)
+            results.append({"arm": arm, "steps": steps, "release_ms": 1e3 * sum(release) / steps,
+                            "fetch_ms": 1e3 * sum(fetch) / steps,
+                            "step_ms": 1e3 * sum(times) / steps, "step_ms_min": 1e3 * min(times),
+                            "host_syncs_per_step": c["host_syncs"] // steps if c else None,
+                            "waits_per_step": c["waits_issued"] // steps if c else None,
+                            "shard_copies_per_step": sum(len(zero3.params(x)) for x in zero3.layers),
+                            "shards_read_per_step": SHARD_READS["params"] // steps, "bytes_ok": exact})
+    return {"arms": results, "has_streams": not accel.is_synchronized_device(), "layers": n_layers, "tokens": tokens}
+
+
+def train_section(opts: argparse.Namespace) -> dict:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from zerotrain import hpz, metrics
+
+    hpz.uninstall()  # one GPU: no hpZ group, plain ZeRO-3 (what train.py does for hpZ size 1)
+    accel = get_accelerator()
+    if opts.tiny:
+        s = TINY
+        shape = TrainShape(s["layers"], 2, s["seq"], False, 0)
+    else:
+        s = LLAMA2_7B
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
+        shape = choose_train_shape(device_bytes, opts.quick, opts.train_layers)
+        if shape is None:
+            return {"skipped": train_requirement(device_bytes, opts.quick)}
+    warmup, steps = (1, 2) if opts.tiny else ((2, 4) if opts.quick else (3, 10))
+    init_world_of_one()
+    ds_config = {"train_micro_batch_size_per_gpu": shape.micro_batch, "gradient_accumulation_steps": 1,
+                 "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+                 "steps_per_print": 10**9, "zero_optimization": {"stage": 3}}
+    cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                      num_hidden_layers=shape.layers, num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
+                      max_position_embeddings=max(shape.seq_len, s["seq"]), rms_norm_eps=1e-5, use_cache=False)
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 -- while alive, transformers builds the model under zero.Init
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.activation_checkpointing_enable()  # acts in train mode only (engine.train() below)
+    # torch's fused AdamW needs no compiler (DeepSpeed's FusedAdam is JIT-built with nvcc).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine.train()
+    checkpointing = model.training and model.is_activation_checkpointing
+    flops = metrics.flops_per_token(metrics.matmul_params(model), shape.layers, s["hidden"], shape.seq_len)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, s["vocab"], (shape.micro_batch, shape.seq_len), generator=g).to(engine.device)
+               for _ in range(warmup + steps)]
+    deadline = STARTED + 0.85 * opts.budget_s
+    losses = []
+
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    for x in batches[:warmup]:
+        train_step(x)
+    accel.synchronize()
+    accel.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for x in batches[warmup:]:
+        losses.append(train_step(x))
+        if time.monotonic() > deadline:  # keep inside the section's budget: report the steps measured
+            break
+    accel.synchronize()
+    seconds = time.perf_counter() - t0
+    return {"shape": asdict(shape), "warmup": warmup, "steps": len(losses), "seconds": seconds,
+            "tokens": len(losses) * shape.micro_batch * shape.seq_len, "losses": [float(x) for x in losses],
+            "flops_per_token": flops, "peak_tflops": metrics.peak_tflops("bf16"),
+            "peak_allocated": accel.max_memory_allocated(), "peak_reserved": accel.max_memory_reserved(),
+            "device_total": accel.total_memory(), "plan": memory_plan_prediction(shape),
+            "device": metrics.device_name(), "activation_checkpointing": checkpointing}
+
+
+RUNNERS = {"probe": lambda opts: probe(), "race": race_section, "record_stream": record_stream_section,
+           "stall": stall_section, "train": train_section}
+
+
+def run_child(opts: argparse.Namespace) -> int:
+    from zerotrain import hpz
+
+    opts.modes = list(hpz.MODES)
+    result = RUNNERS[opts.run_section](opts)
+    write_json_atomically(Path(opts.section_out), result)
+    return 0
+
+
+# --------------------------------------------------------------------------- orchestration (the parent)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_in_child(section: str, args: argparse.Namespace, log: Path, gpu: bool) -> tuple[dict | None, str]:
+    """Run one section in its own process within its budget: (result, "") or (None, why it has none)."""
+    budget = BUDGET_S[section][int(args.quick)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--run-section", section, "--section-out", str(out),
+               "--budget-s", str(budget)] + (["--quick"] if args.quick else [])
+        if args.train_layers:
+            cmd += ["--train-layers", str(args.train_layers)]
+        # A world of one of its own, whatever launcher (SLURM, torchrun) the check itself was started under.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+        if gpu:
+            env["DS_ACCELERATOR"] = "cuda"  # a Makefile's DS_ACCELERATOR=cpu must not win on a GPU node
+        with log.open("a") as f:
+            f.write(f"\n===== {section}: {' '.join(cmd)}\n")
+            f.flush()
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=budget)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                return None, f"timed out after its {budget} s budget (see {log})"
+            except BaseException:  # Ctrl-C: the child runs in its own session and would outlive us
+                os.killpg(proc.pid, 9)
+                raise
+        if rc != 0 or not out.is_file():
+            return None, f"exited {rc}: {_last_error_line(log)} (see {log})"
+        return json.loads(out.read_text()), ""
+
+
+def _last_error_line(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or ["no output"])[-1][:200]
+
+
+def check(args: argparse.Namespace) -> int:
+    out = Path(args.json)
+    log = out.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    device, why = run_in_child("probe", args, log, gpu=torch.cuda.is_available())
+    if device is None:
+        print(f"gpu_check.py: the device probe failed: {why}", file=sys.stderr)
+        return 2
+    modes = device["modes"]
+    rows, sections = [], {}
+    for section in args.sections:
+        t0 = time.monotonic()
+        raw, error = None, ""
+        skipped = device["reason"] or section_requirement(section, device, args.quick)
+        if skipped is None:
+            raw, error = run_in_child(section, args, log, gpu=True)
+            skipped = (raw or {}).get("skipped")
+        if device["reason"] is not None:
+            gpu_less = "name" not in device  # a GPU without bf16 is not "no GPU"
+            rows += planned_rows(section, modes, "SKIPPED", "no GPU: skipped" if gpu_less else "skipped", skipped)
+        elif skipped is not None:
+            rows += planned_rows(section, modes, "SKIPPED", f"skipped: {skipped}", skipped)
+        elif raw is None:
+            rows += planned_rows(section, modes, "ERROR", error, error)
+        else:
+            rows += ROWS_OF[section](raw)
+        sections[section] = {"budget_s": BUDGET_S[section][int(args.quick)], "elapsed_s": time.monotonic() - t0,
+                             "skipped": skipped, "error": error or None, "raw": raw}
+    name = device.get("name", "no GPU")
+    memory = f" ({device['total_memory'] / GIB:.1f} GiB, sm {device['capability']})" if "total_memory" in device else ""
+    title = (f"zerotrain GPU check{' --quick' if args.quick else ''}: {name}{memory}, torch {device['torch']} "
+             f"(CUDA {device['torch_cuda']}), DeepSpeed {device['deepspeed']}, hpZ modes {', '.join(modes)}")
+    if device["reason"] is not None:
+        title += f"\n{'no GPU: ' if 'name' not in device else ''}skipped ({device['reason']})\nneeds: {NEEDS}"
+    print(format_table(title, rows))
+    ok = not any(r["verdict"] in BAD_VERDICTS for r in rows)
+    checked = any(r["verdict"] != "SKIPPED" for r in rows)
+    write_json_atomically(out, {"title": title, "command": [sys.executable] + sys.argv, "quick": args.quick,
+                                "device": device, "sections": sections, "rows": rows, "ok": ok, "checked": checked})
+    verdict = "SOME CHECKS FAILED" if not ok else ("all checks passed" if checked else "nothing was checked")
+    print(f"\n{verdict}; JSON: {out}; section output: {log}")
+    return 0 if ok else 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default="runs/gpu_check.json", help="where to write the results (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="the 2-minute subset")
+    ap.add_argument("--sections", default=",".join(SECTIONS), type=_sections,
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    ap.add_argument("--train-layers", type=_train_layers, default=None,
+                    help="Llama-2-7B layers in the training step, 2-32 (default: as many as the size rule fits)")
+    # Internal: the parent runs each section as `--run-section NAME --section-out FILE`; --tiny runs the same code
+    # on tiny shapes, on any DeepSpeed accelerator (the CPU tests).
+    ap.add_argument("--run-section", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
+    ap.add_argument("--section-out", help=argparse.SUPPRESS)
+    ap.add_argument("--budget-s", type=float, default=600.0, help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.run_section and not args.section_out:
+        ap.error("--run-section needs --section-out")
+    return args
+
+
+def _train_layers(value: str) -> int:
+    if not value.isdigit() or not 2 <= int(value) <= LLAMA2_7B["layers"]:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a layer count from 2 to {LLAMA2_7B['layers']}")
+    return int(value)
+
+
+def _sections(value: str) -> list[str]:
+    names = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown or value!r}; valid: {','.join(SECTIONS)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_child(args) if args.run_section else check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
