@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from zerotrain.config import ConfigError, parse_dataclass_args  # noqa: E402
 from zerotrain.data.errors import DataError  # noqa: E402
-from zerotrain.data.prepare import PrepareConfig, prepare  # noqa: E402
+from zerotrain.data.prepare import Interrupted, PrepareConfig, prepare  # noqa: E402
 
 PROG = "data/prepare.py"
 
@@ -38,6 +38,9 @@ def main(argv: list[str]) -> int:
         message = str(e) if str(e).startswith(PROG) else f"{PROG}: {e}"
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"{PROG}: {e}; the partial output was removed", file=sys.stderr)
+        return 128 + e.signum  # what the shell reports for a process the signal killed
     splits = result.manifest["splits"]
     summary = ", ".join(f"{name}: {s['num_documents']:,} documents, {s['num_tokens']:,} tokens"
                         for name, s in splits.items())
