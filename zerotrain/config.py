@@ -133,6 +133,9 @@ class CheckpointConfig:
     resume: bool = True  # resume automatically from <run dir>/checkpoints/latest
     save_final: bool = True
     export_hf: bool = False  # also write a Hugging Face directory after the last step
+    # Before each save, free space is compared with the last checkpoint's size: warn (and try) | skip the save.
+    low_space: str = "warn"
+    verify: bool = True  # check each file's CRC32 on resume (each rank reads back the files it loads)
 
 
 @dataclass
@@ -204,6 +207,7 @@ CHOICES = {
     "schedule.name": ("cosine", "linear", "constant"),
     "train.precision": ("bf16", "fp32"),
     "train.nan_policy": ("stop", "continue"),
+    "checkpoint.low_space": ("warn", "skip"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
 }
 
