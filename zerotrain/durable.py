@@ -17,10 +17,15 @@ import os
 import shutil
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 READ_BLOCK = 16 << 20
+# Writes at least this large are hashed on a second thread while the first one writes them (zlib.crc32 and the
+# write system call both release the GIL), so the checksum costs little more than the write itself.
+OVERLAP_BYTES = 1 << 20
+_hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zt-crc32")
 
 
 class ChecksumWriter(io.RawIOBase):
@@ -41,9 +46,14 @@ class ChecksumWriter(io.RawIOBase):
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.crc32 = zlib.crc32(view, self.crc32)
+        if len(view) >= OVERLAP_BYTES:
+            crc = _hasher.submit(zlib.crc32, view, self.crc32)
+            self._raw.write(view)
+            self.crc32 = crc.result()  # before returning: the caller may reuse the buffer
+        else:
+            self.crc32 = zlib.crc32(view, self.crc32)
+            self._raw.write(view)
         self.size += len(view)
-        self._raw.write(view)
         return len(view)
 
 
