@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from zerotrain.config import ConfigError, parse_dataclass_args
-from zerotrain.data.prepare import PrepareConfig, prepare
+from zerotrain.data.prepare import Interrupted, PrepareConfig, prepare
 from zerotrain.errors import DataError
 
 PROG = "data/prepare.py"
@@ -35,6 +35,9 @@ def main(argv: list[str]) -> int:
         message = str(e) if str(e).startswith(PROG) else f"{PROG}: {e}"
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"{PROG}: {e}; the partial output was removed", file=sys.stderr)
+        return 128 + e.signum  # what the shell reports for a process the signal killed
     splits = result.manifest["splits"]
     summary = ", ".join(f"{name}: {s['num_documents']:,} documents, {s['num_tokens']:,} tokens"
                         for name, s in splits.items())

@@ -6,12 +6,21 @@ Layout of ``<run dir>/checkpoints``::
                                  DeepSpeed's own tools, e.g. zero_to_fp32.py, understand the directory)
     step_00000100/               DeepSpeed's files (model + ZeRO partitions of every rank)
         zerotrain/rank_00003.pt  per-rank state: RNG states, data-loader position
-        zerotrain/meta.json      step, tokens, W&B run id, world size, resolved config, and the size of every file
+        zerotrain/meta.json      step, tokens, W&B run id, world size, resolved config, and the size and CRC32 of
+                                 every file
 
-Ordering is what makes a crash at any moment harmless: every rank writes its files, all ranks meet at a barrier,
-only then rank 0 writes ``meta.json`` (listing the files it sees) and moves ``latest`` (atomic rename). Old
-checkpoints are pruned after ``latest`` has moved, never the one it points to. On load, the file list in
-``meta.json`` is checked first, so a truncated or missing shard is reported by name instead of deep inside DeepSpeed.
+Nothing is ever written into a directory that ``latest`` points to, so a kill at any moment of a save loses nothing:
+
+1. every rank writes its files into ``.step_00000100.partial/`` (DeepSpeed's files and ours), each file checksummed
+   as it is written and fsync-ed;
+2. all ranks agree that every rank succeeded (a failure anywhere, a full disk say, removes the partial directory
+   and raises :class:`CheckpointError` on every rank; ``latest`` stays where it was);
+3. rank 0 writes ``meta.json``, renames the directory to ``step_00000100``, and only then moves ``latest`` (written
+   to a temporary name, fsync-ed and renamed); older checkpoints are pruned last, never the one ``latest`` names.
+
+A partial directory left by a kill is removed by the next save. On load, the file list in ``meta.json`` is checked
+first (presence, size, and the CRC32 of the files this rank reads), so a truncated, missing or bit-flipped file is
+reported by name instead of deep inside DeepSpeed or, worse, not at all.
 
 The ``checkpoint`` section of the run config (:class:`CheckpointConfig`) is declared here.
 """
@@ -19,20 +28,33 @@ The ``checkpoint`` section of the run config (:class:`CheckpointConfig`) is decl
 from __future__ import annotations
 
 import json
-import os
+import logging
+import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from zerotrain.distributed import barrier
+from zerotrain import durable
+from zerotrain.distributed import all_agree, barrier, gather_objects, min_over_ranks
 from zerotrain.errors import CheckpointError
 from zerotrain.fields import bounded
 
+log = logging.getLogger("zerotrain")
+
 LATEST = "latest"
 OURS = "zerotrain"
+PARTIAL = ".partial"  # suffix of a checkpoint directory being written
+
+
+class LowSpacePolicy(StrEnum):
+    warn = "warn"
+    skip = "skip"
 
 
 @dataclass
@@ -49,6 +71,12 @@ class CheckpointConfig:
     """Save a checkpoint after the last step."""
     export_hf: bool = False
     """Also write a Hugging Face directory (<run dir>/hf) after the last step (needs save_final)."""
+    low_space: LowSpacePolicy = LowSpacePolicy.warn
+    """Before each save, free space is compared with the last checkpoint's size: warn (and try; a save that runs out
+    of space removes itself and latest stays put) | skip (skip this save, with a message)."""
+    verify: bool = True
+    """On resume, check the CRC32 recorded for each file as it was written (each rank reads back the files it
+    loads: about 2 GB/s); false skips the check."""
 
     def save_due(self, step: int, last_step: int) -> bool:
         """Whether step ``step`` ends with a periodic checkpoint (the last step's is save_final's)."""
@@ -69,53 +97,222 @@ def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+# ----------------------------------------------------------------------------------------------------------------
+# Which rank owns which file
+# ----------------------------------------------------------------------------------------------------------------
+
+# DeepSpeed 0.19.8 names each rank's ZeRO partition files '{bf16_}zero_pp_rank_<dp rank>_mp_rank_00_*.pt'; ours are
+# 'zerotrain/rank_<rank>.pt'. Everything else ('mp_rank_00_model_states.pt') is written by rank 0.
+_RANK_FILE = re.compile(r"(?:^|/)(?:\w*zero_pp_rank_(\d+)_|rank_(\d{5})\.pt$)")
 
 
-def _file_sizes(tag_dir: Path) -> dict[str, int]:
-    return {
-        str(p.relative_to(tag_dir)): p.stat().st_size
-        for p in sorted(tag_dir.rglob("*"))
-        if p.is_file() and p.name != "meta.json"
-    }
+def file_owner(name: str) -> int:
+    """The rank that writes (and on resume verifies) a checkpoint file; 0 for the files all ranks share."""
+    match = _RANK_FILE.search(name)
+    if not match:
+        return 0
+    return int(match.group(1) or match.group(2))
+
+
+def _files_of(rank: int, names) -> list[str]:
+    return [name for name in names if file_owner(name) == rank]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Saving
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _partial_dir(root: Path, tag: str) -> Path:
+    return root / f".{tag}{PARTIAL}"
+
+
+def _remove_partials(root: Path) -> None:
+    """Partial directories of saves that were killed: nothing points at them, nothing else would remove them."""
+    for stale in root.glob(f".step_*{PARTIAL}"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def checkpoint_bytes(tag_dir: Path) -> Optional[int]:
+    """Size of a complete checkpoint from its metadata (None when there is none)."""
+    try:
+        return sum(_entry(v)[0] for v in read_meta(tag_dir, verify_rank=None)["files"].values())
+    except CheckpointError:
+        return None
+
+
+@contextmanager
+def _checksummed_saves(engine, partial: Path, written: dict[str, list[int]]) -> Iterator[None]:
+    """Route the engine's checkpoint writes through :class:`durable.ChecksumWriter` for this save only.
+
+    DeepSpeed writes every checkpoint file with ``engine.checkpoint_engine.save(state_dict, path)``
+    (``torch.save``); replacing that method on this engine's own checkpoint engine, for the duration of the save,
+    gets each file's CRC32 as it is written, with no second read of the data."""
+    ckpt_engine = engine.checkpoint_engine
+    original = ckpt_engine.save
+    serialization = getattr(ckpt_engine, "zipfile_serialization", False)
+
+    def save(state_dict, path):
+        path = Path(path)
+        with durable.checksummed_file(path) as f:
+            torch.save(state_dict, f, _use_new_zipfile_serialization=serialization)
+        written[str(path.relative_to(partial))] = [f.size, f.crc32]
+
+    ckpt_engine.save = save
+    try:
+        yield
+    finally:
+        ckpt_engine.save = original
+
+
+def _space_ok(root: Path, tag: str, policy: str) -> bool:
+    """Before a save: is there room for another checkpoint the size of the last one? ``warn`` says so and saves
+    anyway (the save may still fit: nothing is lost if it does not), ``skip`` skips this save."""
+    free = min_over_ranks(shutil.disk_usage(root if root.is_dir() else root.parent).free)
+    latest = _latest_or_none(root)
+    needed = checkpoint_bytes(root / latest) if latest else None
+    if not needed or free >= needed:
+        return True
+    where = durable.mount_point(root)
+    text = (f"only {durable.human_bytes(free)} free on {where} and the last checkpoint ({latest}) took "
+            f"{durable.human_bytes(needed)}")
+    if policy == "skip":
+        log.warning("%s: skipping the checkpoint of step %s (checkpoint.low_space=skip); latest stays at %s. "
+                    "Free space on %s or lower checkpoint.keep_last", text, tag, latest, where)
+        return False
+    log.warning("%s: saving %s may fail (a failed save removes itself; latest stays at %s). Free space on %s, "
+                "lower checkpoint.keep_last, or set checkpoint.low_space=skip", text, tag, latest, where)
+    return True
+
+
+def _fail(root: Path, tag: str, partial: Path, rank: int, error: Optional[BaseException]) -> CheckpointError:
+    """Every rank: agree on what went wrong, remove the partial save, and say it in one message."""
+    free = shutil.disk_usage(root if root.is_dir() else root.parent).free
+    written = _dir_bytes(partial) if rank == 0 else 0
+    reports = gather_objects(None if error is None else
+                             (type(error).__name__, str(error), durable.is_out_of_space(error, root)))
+    barrier()  # everyone has looked at the partial directory before it goes
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    barrier()
+    latest = latest_tag(root)
+    keep = f"latest still points at {latest}" if latest else "no earlier checkpoint exists"
+    failed = [(r, report) for r, report in enumerate(reports) if report is not None]
+    if any(report[2] for _, report in failed):
+        previous = checkpoint_bytes(root / latest) if latest else None
+        needed = (f"about {durable.human_bytes(max(previous, written))} needed" if previous else
+                  f"at least {durable.human_bytes(written)} needed")
+        return CheckpointError(
+            f"no space left on {durable.mount_point(root)} while saving {root / tag} "
+            f"({durable.human_bytes(free)} free, {needed}); the partial save was removed and {keep}. "
+            f"Free space (or lower checkpoint.keep_last) and relaunch: the run resumes from there")
+    details = "; ".join(f"rank {r}: {name}: {text}" for r, (name, text, _) in failed[:4])
+    return CheckpointError(f"could not save checkpoint {root / tag} ({details}); the partial save was removed "
+                           f"and {keep}")
 
 
 def save(engine, root: Path, state: TrainState, rank_state: dict[str, Any], config_yaml: str, rank: int,
-         world_size: int, keep_last: int) -> Path:
-    """Collective: every rank calls it at the same step."""
+         world_size: int, keep_last: int, low_space: str = "warn") -> Optional[Path]:
+    """Collective: every rank calls it at the same step. Returns the checkpoint directory, or None when the
+    ``low_space=skip`` policy skipped it. Raises :class:`CheckpointError` (on every rank) when it failed; then
+    nothing of it remains and ``latest`` has not moved."""
     tag = tag_for(state.step)
     tag_dir = root / tag
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
-    ours = tag_dir / OURS
-    ours.mkdir(parents=True, exist_ok=True)
-    rank_file = ours / f"rank_{rank:05d}.pt"
-    tmp = rank_file.with_name(f".{rank_file.name}.tmp")
-    torch.save(rank_state, tmp)
-    os.replace(tmp, rank_file)
-    barrier()  # every rank's files are on disk before anything points at them
+    # A relaunch of a finished run, or a save at a step already saved: the directory latest names is final.
+    if all_agree(_latest_or_none(root) == tag and _is_complete(tag_dir)):
+        log.info("checkpoint %s is already complete and is the latest: not writing it again", tag_dir)
+        return tag_dir
+    if not all_agree(_space_ok(root, tag, low_space)):
+        return None
+    partial = _partial_dir(root, tag)
+    error: Optional[BaseException] = None
     if rank == 0:
-        meta = {
-            "tag": tag,
-            "step": state.step,
-            "tokens": state.tokens,
-            "wandb_run_id": state.wandb_run_id,
-            "world_size": world_size,
-            "extra": state.extra,
-            "config": config_yaml,
-            "files": _file_sizes(tag_dir),
-        }
-        _atomic_write(ours / "meta.json", json.dumps(meta, indent=1))
-        _atomic_write(root / LATEST, tag)
-        _prune(root, keep_last, protect=tag)
-    barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_partials(root)
+            (partial / OURS).mkdir(parents=True)
+        except OSError as e:
+            error = e
+    if not all_agree(error is None):
+        raise _fail(root, tag, partial, rank, error)
+
+    written: dict[str, list[int]] = {}
+    with _checksummed_saves(engine, partial, written):
+        try:
+            engine.save_checkpoint(str(root), tag=partial.name, save_latest=False)
+        except Exception as e:  # noqa: BLE001 - any failure must reach every rank, see below
+            error = e
+            # DeepSpeed 0.19.8's save ends with one barrier after all its writes (its other collectives come
+            # before them): a rank whose write failed joins it, so the others are not left waiting in it forever.
+            barrier()
+    if error is None:
+        try:
+            rank_file = partial / OURS / f"rank_{rank:05d}.pt"
+            with durable.checksummed_file(rank_file) as f:
+                torch.save(rank_state, f)
+            written[str(rank_file.relative_to(partial))] = [f.size, f.crc32]
+        except OSError as e:
+            error = e
+    if not all_agree(error is None):
+        raise _fail(root, tag, partial, rank, error)
+
+    files = {name: entry for per_rank in gather_objects(written) for name, entry in per_rank.items()}
+    if rank == 0:
+        try:
+            _publish(root, tag, partial, state, world_size, config_yaml, files, keep_last)
+        except OSError as e:
+            error = e
+    if not all_agree(error is None):
+        raise _fail(root, tag, partial, rank, error)
     return tag_dir
+
+
+def _publish(root: Path, tag: str, partial: Path, state: TrainState, world_size: int, config_yaml: str,
+             files: dict[str, list[int]], keep_last: int) -> None:
+    """Rank 0, once every rank's files are on disk: metadata, rename into place, then ``latest``, then pruning."""
+    for path in sorted(partial.rglob("*")):  # a file no writer reported (none in 0.19.8): hash it from disk
+        name = str(path.relative_to(partial))
+        if path.is_file() and name not in files:
+            files[name] = [path.stat().st_size, durable.file_crc32(path)]
+    meta = {
+        "tag": tag,
+        "step": state.step,
+        "tokens": state.tokens,
+        "wandb_run_id": state.wandb_run_id,
+        "world_size": world_size,
+        "extra": state.extra,
+        "config": config_yaml,
+        "files": {name: {"bytes": size, "crc32": crc} for name, (size, crc) in sorted(files.items())},
+    }
+    durable.atomic_write_text(partial / OURS / "meta.json", json.dumps(meta, indent=1))
+    durable.fsync_path(partial / OURS)
+    durable.fsync_path(partial)
+    durable.replace_dir(partial, root / tag)
+    durable.atomic_write_text(root / LATEST, tag)
+    _prune(root, keep_last, protect=tag)
+
+
+def _latest_or_none(root: Path) -> Optional[str]:
+    try:
+        return latest_tag(root) if root.is_dir() else None
+    except CheckpointError:  # an empty pointer: reported by load, not a reason to stop a save
+        return None
 
 
 def _complete_tags(root: Path) -> list[str]:
     return sorted(p.parent.parent.name for p in root.glob(f"step_*/{OURS}/meta.json"))
+
+
+def _is_complete(tag_dir: Path) -> bool:
+    try:
+        read_meta(tag_dir, verify_rank=None)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _prune(root: Path, keep_last: int, protect: str) -> None:
@@ -125,18 +322,41 @@ def _prune(root: Path, keep_last: int, protect: str) -> None:
             shutil.rmtree(root / tag, ignore_errors=True)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------------------
+
+
 def latest_tag(root: Path) -> Optional[str]:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
     tag = pointer.read_text().strip()
     if not tag:
-        raise CheckpointError(f"{pointer} is empty; delete it to start fresh or write a tag from {_complete_tags(root)}")
+        raise CheckpointError(f"{pointer} is empty; delete it to start fresh or write a tag from "
+                              f"{_complete_tags(root)}")
     return tag
 
 
-def read_meta(tag_dir: Path) -> dict[str, Any]:
-    """Read and integrity-check a checkpoint's metadata (every listed file present with its recorded size)."""
+def _entry(value: Any) -> tuple[int, Optional[int]]:
+    """(bytes, crc32) of a file in meta.json; checkpoints saved before checksums recorded the size only."""
+    if isinstance(value, dict):
+        return value["bytes"], value.get("crc32")
+    return int(value), None
+
+
+def _others(tag_dir: Path) -> str:
+    others = [t for t in _complete_tags(tag_dir.parent) if t != tag_dir.name]
+    return f"Other complete checkpoints: {', '.join(others)}" if others else "There is no other complete checkpoint"
+
+
+def read_meta(tag_dir: Path, verify_rank: Optional[int] = None) -> dict[str, Any]:
+    """Read and integrity-check a checkpoint's metadata: every listed file present with its recorded size, and, for
+    ``verify_rank`` (the files that rank reads on resume), its recorded CRC32."""
+    if not tag_dir.is_dir():
+        raise CheckpointError(
+            f"{tag_dir.parent / LATEST} names {tag_dir.name}, but {tag_dir} does not exist (deleted or moved?). "
+            f"{_others(tag_dir)}: point {tag_dir.parent / LATEST} at one of them, or delete it to start fresh")
     meta_path = tag_dir / OURS / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(
@@ -147,25 +367,40 @@ def read_meta(tag_dir: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint metadata {meta_path} is corrupt: {e}") from None
-    for name, size in meta.get("files", {}).items():
+    files = meta.get("files", {})
+    for name, value in files.items():
         path = tag_dir / name
+        size, _ = _entry(value)
         if not path.is_file():
-            raise CheckpointError(f"checkpoint {tag_dir} is missing {name}; it cannot be resumed from")
+            raise CheckpointError(f"checkpoint {tag_dir} is missing {name}; it cannot be resumed from. "
+                                  f"{_others(tag_dir)}")
         if path.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint file {path} is corrupt: {path.stat().st_size} bytes, {size} were written. "
-                f"Other complete checkpoints: {[t for t in _complete_tags(tag_dir.parent) if t != tag_dir.name]}"
-            )
+            raise CheckpointError(f"checkpoint file {path} is corrupt: {path.stat().st_size} bytes, {size} were "
+                                  f"written. {_others(tag_dir)}")
+    if verify_rank is not None:
+        for name in _files_of(verify_rank, files):
+            _, crc = _entry(files[name])
+            if crc is not None and durable.file_crc32(tag_dir / name) != crc:
+                raise CheckpointError(
+                    f"checkpoint file {tag_dir / name} is corrupt: its CRC32 differs from the one recorded when it "
+                    f"was written (a flipped bit on disk, or a damaged copy). {_others(tag_dir)}")
     return meta
 
 
-def load(engine, root: Path, rank: int, world_size: int) -> Optional[tuple[TrainState, dict[str, Any]]]:
+def load(engine, root: Path, rank: int, world_size: int, verify: bool = True
+         ) -> Optional[tuple[TrainState, dict[str, Any]]]:
     """Collective: resume from ``latest`` if there is one. Returns (state, this rank's state) or None."""
     tag = latest_tag(root)
     if tag is None:
         return None
     tag_dir = root / tag
-    meta = read_meta(tag_dir)
+    error: Optional[CheckpointError] = None
+    try:  # each rank checks the files it will read; all ranks learn whether any failed
+        meta = read_meta(tag_dir, verify_rank=rank if verify else None)
+    except CheckpointError as e:
+        error = e
+    if not all_agree(error is None):
+        raise error or CheckpointError(f"checkpoint {tag_dir} failed verification on another rank (see its message)")
     if meta["world_size"] != world_size:
         raise CheckpointError(
             f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has {world_size}: ZeRO-3 "

@@ -128,3 +128,33 @@ def set_rng_state(state: dict) -> None:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def all_agree(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on every rank (one tiny all-reduce); the flag itself alone."""
+    if not dist.is_initialized():
+        return flag
+    from deepspeed.accelerator import get_accelerator
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=get_accelerator().current_device_name())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def min_over_ranks(value: int) -> int:
+    if not dist.is_initialized():
+        return value
+    from deepspeed.accelerator import get_accelerator
+
+    tensor = torch.tensor([value], dtype=torch.int64, device=get_accelerator().current_device_name())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def gather_objects(obj):
+    """Every rank's ``obj``, in rank order, on every rank (small, picklable objects only)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -182,7 +182,8 @@ class Trainer:
                     f"Choose another run.name, or resume with checkpoint.resume=true"
                 )
             return False
-        loaded = checkpoint.load(self.engine, self.ckpt_root, self.dist.rank, self.dist.world_size)
+        loaded = checkpoint.load(self.engine, self.ckpt_root, self.dist.rank, self.dist.world_size,
+                                 verify=self.cfg.checkpoint.verify)
         if loaded is None:
             return False
         self.state, rank_state = loaded
@@ -305,8 +306,10 @@ class Trainer:
     def _save(self) -> None:
         rank_state = {"loader": self.train_loader.state_dict(), "rng": distributed.rng_state()}
         path = checkpoint.save(self.engine, self.ckpt_root, self.state, rank_state, config.to_yaml(self.cfg),
-                               self.dist.rank, self.dist.world_size, self.cfg.checkpoint.keep_last)
-        log.info("checkpoint saved: %s", path)
+                               self.dist.rank, self.dist.world_size, self.cfg.checkpoint.keep_last,
+                               low_space=self.cfg.checkpoint.low_space)
+        if path is not None:
+            log.info("checkpoint saved: %s", path)
 
     def _export(self) -> None:
         from zerotrain.export import export_checkpoint

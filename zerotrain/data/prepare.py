@@ -15,10 +15,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
+import glob
 import hashlib
 import os
 import shutil
+import signal
+import socket
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -258,7 +264,21 @@ def build_manifest(cfg: PrepareConfig, tokenizer: Tokenizer, tokenizer_source: s
 
 
 def _publish(tmp: Path, out: Path) -> None:
-    """Make the finished temp dir the output, replacing an old one only now that the new one is complete."""
+    """Make the finished temp dir the output, replacing an old one only now that the new one is complete.
+
+    Termination signals wait until both renames are done: between them there is no output directory at all."""
+    blocked = {signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        try:
+            _swap_in(tmp, out)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    else:
+        _swap_in(tmp, out)
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
     old = None
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -280,25 +300,100 @@ class Prepared:
         return total / max(self.seconds_tokenizing, 1e-9)
 
 
+class Interrupted(BaseException):
+    """A termination signal arrived while preparing; the partial output has been removed.
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise(signals=(signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """SIGTERM/SIGHUP (scancel, a closed terminal) raise :class:`Interrupted` instead of killing the process on the
+    spot, so the cleanup below runs. SIGINT already raises KeyboardInterrupt. Only the main thread may install."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, _raise) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _temp_name(out: Path) -> Path:
+    # Host and pid: on a shared file system another node's preparation of the same output is not ours to remove.
+    return out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Remove the temporary directories of earlier preparations of ``out`` on this host whose process is gone
+    (killed with SIGKILL, or the machine went down): nothing else would ever delete them."""
+    prefix = f".{out.name}.tmp-{socket.gethostname()}-"
+    for tmp in out.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = tmp.name[len(prefix):]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _make_temp_dir(out: Path) -> Path:
+    """Create the working directory beside the output, with errors that say what to fix."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"output={out}: cannot create its parent directory {out.parent} ({e.strerror}); "
+                        f"choose an output under a writable directory") from None
+    _remove_stale_temps(out)
+    tmp = _temp_name(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        where = "read-only file system" if e.errno == errno.EROFS else e.strerror
+        raise DataError(f"output={out}: cannot write in {out.parent} ({where}); choose a writable location") from None
+    return tmp
+
+
 def prepare(cfg: PrepareConfig) -> Prepared:
-    """Run the whole preparation; the manifest is also written to ``<output>/manifest.json``."""
+    """Run the whole preparation; the manifest is also written to ``<output>/manifest.json``.
+
+    Nothing but the finished directory is left behind: on an error, Ctrl-C, SIGTERM or SIGHUP the working
+    directory is removed (and one left by a SIGKILL is removed by the next run for the same output)."""
     validate(cfg)
     out = Path(cfg.output)
+    if out.is_file():
+        raise DataError(f"output={out} is an existing file, not a directory; choose a directory path")
     if out.exists() and not cfg.overwrite:
         raise DataError(f"{out} already exists; pass overwrite=true to replace it, or choose another output")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = _make_temp_dir(out)
     try:
-        records, source = record_stream(cfg)
-        tokenizer, tokenizer_source = get_tokenizer(cfg, records, tmp / DATASET_TOKENIZER_DIR)
-        tokenizer.save_pretrained(tmp / DATASET_TOKENIZER_DIR)
-        started = time.perf_counter()
-        splits = write_splits(cfg, records(), tokenizer, tmp)
-        elapsed = time.perf_counter() - started
-        manifest = build_manifest(cfg, tokenizer, tokenizer_source, source, splits)
-        write_manifest(tmp, manifest)  # last file written: its presence marks a complete data set
+        with _signals_raise():
+            records, source = record_stream(cfg)
+            tokenizer, tokenizer_source = get_tokenizer(cfg, records, tmp / DATASET_TOKENIZER_DIR)
+            tokenizer.save_pretrained(tmp / DATASET_TOKENIZER_DIR)
+            started = time.perf_counter()
+            splits = write_splits(cfg, records(), tokenizer, tmp)
+            elapsed = time.perf_counter() - started
+            manifest = build_manifest(cfg, tokenizer, tokenizer_source, source, splits)
+            write_manifest(tmp, manifest)  # last file written: its presence marks a complete data set
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -17,6 +17,7 @@ Everything streams: no input is read into memory whole (except a .txt file in ``
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 from dataclasses import dataclass
@@ -99,8 +100,8 @@ def _text_records(path: Path, txt_split: str, txt_doc_chars: int) -> Iterator[Re
                 yield Record(str(path), text)
             return
         yield from _paragraph_documents(path, txt_doc_chars)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
 
 
 def _paragraphs(path: Path) -> Iterator[tuple[int, str]]:
@@ -150,8 +151,41 @@ def _jsonl_records(path: Path) -> Iterator[Record]:
                 if not isinstance(value, dict):
                     raise DataError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
                 yield Record(f"{path}:{number}", value)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}:{number + 1}: not UTF-8 ({e.reason}); convert the file to UTF-8") from None
+        except UnicodeDecodeError:
+            raise _not_utf8(path) from None
+
+
+def first_invalid_utf8(path: Path, block_bytes: int = 1 << 20) -> Optional[tuple[int, int, str]]:
+    """(line number, byte offset, reason) of the first byte of ``path`` that is not valid UTF-8, or None.
+
+    A text-mode file decodes a whole read-ahead buffer at a time, so the error it raises says neither the line
+    being read nor the offset in the file: both are recounted here, from the bytes, once an error is known.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = newlines = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(block_bytes)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                # e.object is the decoder's carried-over bytes (a partial character, never a newline) + block.
+                carried = len(e.object) - len(block)
+                line = newlines + e.object[: e.start].count(b"\n") + 1
+                return line, offset - carried + e.start, e.reason
+            if not block:
+                return None
+            newlines += block.count(b"\n")
+            offset += len(block)
+
+
+def _not_utf8(path: Path) -> DataError:
+    found = first_invalid_utf8(path)
+    if found is None:  # the file changed under us; still say which one
+        return DataError(f"{path}: not UTF-8 text; convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+    line, offset, reason = found
+    return DataError(f"{path}:{line}: not UTF-8 (byte offset {offset:,}: {reason}); convert the file to UTF-8 "
+                     f"(e.g. iconv -f latin1 -t utf-8)")
 
 
 def _parquet_records(path: Path, batch_rows: int = 1024) -> Iterator[Record]:
