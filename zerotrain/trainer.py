@@ -19,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from omegaconf import DictConfig
 from transformers.integrations import HfDeepSpeedConfig
 
-from zerotrain import checkpoint, config, distributed, engine as engine_lib, metrics, models
+from zerotrain import checkpoint, config, distributed, engine as engine_lib, metrics, models, run_tokenizer
 from zerotrain.data.loader import build_loader, build_valid_loader
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
 from zerotrain.launch.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
@@ -137,6 +137,7 @@ class Trainer:
             log.info("resolved config (saved to %s):\n%s", self.run_dir / "config.yaml", text)
             config.save(self.cfg, self.run_dir / "config.yaml")
             (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
+            run_tokenizer.save_copy(self.cfg.data.train[0].path, self.run_dir)  # exports use it, from anywhere
             log.info("world: %d ranks on %d node(s), hpZ size %d (%s)", self.dist.world_size,
                      self.layout.num_nodes, self.layout.hpz_size,
                      self.cfg.hpz.mode if self.layout.hpz_size > 1 else "off")
