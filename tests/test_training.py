@@ -79,13 +79,15 @@ def test_step_callbacks_see_every_step_once_in_order_with_the_logged_loss(uninte
     assert all(e[3] == records[e[1]]["loss"] and e[4] == records[e[1]]["lr"] and e[5] for e in events[1::2])
 
 
-def test_run_directory_holds_resolved_config_and_deepspeed_config(uninterrupted):
+def test_run_directory_holds_resolved_config_deepspeed_config_and_tokenizer(uninterrupted, shakespeare):
     run_dir, _ = uninterrupted
     saved = (run_dir / "config.yaml").read_text()
     assert "steps: 16" in saved and "recipe: tiny_llama" in saved
     ds = json.loads((run_dir / "deepspeed_config.json").read_text())
     assert ds["zero_optimization"]["zero_hpz_partition_size"] == 2
     assert ds["train_batch_size"] == 4 * 1 * 4
+    tokenizer = "tokenizer/tokenizer.model"  # copied by rank 0, what the exports ship (tests/test_export.py)
+    assert (run_dir / tokenizer).read_bytes() == (shakespeare / tokenizer).read_bytes()
 
 
 def test_resume_continues_the_loss_curve_exactly(uninterrupted, resumed):
@@ -132,6 +134,8 @@ def test_keep_last_prunes_old_checkpoints_and_latest_points_at_the_newest(resume
 def test_hf_export_reloads_in_transformers_with_the_same_logits(uninterrupted):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from zerotrain.data.tokenizer import load_tokenizer
+
     run_dir, probe_path = uninterrupted
     export = run_dir / "hf"
     assert (export / "model.safetensors").is_file() and (export / "config.json").is_file()
@@ -141,7 +145,9 @@ def test_hf_export_reloads_in_transformers_with_the_same_logits(uninterrupted):
         logits = model(input_ids=probe["input_ids"]).logits
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)
     tokenizer = AutoTokenizer.from_pretrained(export)
-    text = "To be, or not to be: that is the question."
+    training = load_tokenizer(run_dir / "tokenizer")
+    text = " To be, or not to be:\n\tthat is the question."
+    assert tokenizer(text)["input_ids"] == [training.bos_id] + training.encode(text)  # the ids it was trained on
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
 
 

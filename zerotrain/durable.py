@@ -4,6 +4,10 @@ Everything the run keeps (checkpoints, their ``latest`` pointer, the saved confi
 name, flushed to the disk (``fsync``) and then renamed into place, and the directory holding it is flushed too, so
 that after a crash a path either holds the complete new content or the complete old one, never a torn mix.
 
+Directories (an export, a checkpoint) are written under a temporary name beside their target and renamed into place
+when complete (:func:`staged_directory`, :func:`replace_dir`): a kill leaves a hidden ``.<name>.partial`` that the
+next writer removes, never a half-written target.
+
 Checksums are CRC32 (``zlib.crc32``: 2.2 GB/s on one core of the 2-core CI machine), computed by a file wrapper as the
 bytes go out, so a checkpoint is never read back to be hashed. CRC32 catches the failures that matter here (a flipped
 bit on disk, a truncated or partially copied file); it is not a defence against deliberate tampering.
@@ -110,6 +114,43 @@ def replace_dir(src: Path, dst: Path) -> None:
     fsync_path(dst.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file, then the directories: after a power cut the renamed directory holds whole files."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            fsync_path(path)
+    for path in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
+        fsync_path(path)
+    fsync_path(root)
+
+
+@contextmanager
+def staged_directory(target: Path) -> Iterator[Path]:
+    """Yield an empty directory beside ``target``; on a clean exit it becomes ``target`` (see the module doc)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.partial")
+    aside = target.with_name(f".{target.name}.replaced")
+    if aside.is_dir() and not target.exists():
+        os.rename(aside, target)  # killed between the two renames of an earlier replacement: the old one is whole
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        _fsync_tree(staging)
+        if target.exists():
+            os.rename(target, aside)
+        os.rename(staging, target)
+        fsync_path(target.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if aside.exists() and not target.exists():
+            os.rename(aside, target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def is_out_of_space(error: BaseException, directory: Path) -> bool:

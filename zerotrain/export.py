@@ -2,8 +2,13 @@
 
 Works offline, on one process, from the checkpoint files alone: DeepSpeed's ``zero_to_fp32`` merges every rank's
 fp32 ZeRO partitions into one state dict on the CPU (no process group, no GPU), which is loaded into the model
-built from the run's saved config and written with ``save_pretrained``. The result loads with
-``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+built from the run's saved config and written with ``save_pretrained``, next to the tokenizer the run was trained
+with (its copy in ``<run dir>/tokenizer``, see :mod:`zerotrain.run_tokenizer`), so it works from any directory and
+after the data set has moved. The result loads with ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` (a fast tokenizer giving the training ids). It is written to ``.<out>.partial``
+and renamed to ``<out>`` when complete: an interrupted export leaves no half-written ``<out>``, and an older export
+there is replaced only by a complete one. The in-training export (``checkpoint.export_hf``) and evaluation/mmlu.py's
+export of a run directory are this same function.
 
     python -m zerotrain.export runs/tiny-llama                 # latest checkpoint -> runs/tiny-llama/hf
     python -m zerotrain.export runs/tiny-llama/checkpoints/step_00000100 out/
@@ -11,6 +16,7 @@ built from the run's saved config and written with ``save_pretrained``. The resu
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,7 +25,9 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from zerotrain import checkpoint
+from zerotrain import checkpoint, run_tokenizer
+from zerotrain.durable import staged_directory
+from zerotrain.errors import ZerotrainError
 from zerotrain.models import MODEL_CLASSES, ModelConfig, hf_config, torch_dtype
 
 
@@ -39,16 +47,17 @@ def resolve_tag_dir(path: Path) -> Path:
 
 
 def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
+    """Write the Hugging Face export of checkpoint ``tag_dir`` (``<run dir>/checkpoints/step_*``) to ``out_dir``."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from zerotrain.data.tokenizer import load_tokenizer
 
     tag_dir = Path(tag_dir)
     meta = checkpoint.read_meta(tag_dir)
-    # What the export needs of the run's saved config: the model section, the precision and where the tokenizer is.
+    # What the export needs of the run's saved config: the model section, the precision and the tokenizer.
     saved = yaml.safe_load(meta["config"])
+    # Before the slow merge of the shards: a tokenizer that cannot be found fails at once, with nothing written.
+    tokenizer = run_tokenizer.load(tag_dir.resolve().parent.parent, saved)  # <run dir>/checkpoints/<tag>
     model_cfg: ModelConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"]))
-    precision, tokenizer_dir = saved["train"]["precision"], saved["data"]["train"][0]["path"]
+    precision = saved["train"]["precision"]
     state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     # The class itself, not _from_config: inside a training process an HfDeepSpeedConfig is alive and _from_config
     # would enter zero.Init (collective) on this one rank. On the meta device no memory is touched until the load.
@@ -62,8 +71,9 @@ def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
         raise checkpoint.CheckpointError(f"checkpoint {tag_dir} has no weights for: {', '.join(missing[:5])}")
     model.config.dtype = dtype
     out_dir = Path(out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    load_tokenizer(tokenizer_dir).save_pretrained(out_dir)
+    with staged_directory(out_dir) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
     return out_dir
 
 
@@ -76,11 +86,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         tag_dir = resolve_tag_dir(Path(argv[0]))
         out = Path(argv[1]) if len(argv) == 2 else tag_dir.parent.parent / "hf"
         print(f"exported {tag_dir} -> {export_checkpoint(tag_dir, out)}")
-    except checkpoint.CheckpointError as e:
+    except ZerotrainError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. an output directory that cannot be written
+        print(f"error: {e} (no export was written)", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
+    # SIGTERM (scancel, kill) unwinds like Ctrl-C, so the partial export is removed on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main())

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers.integrations import HfDeepSpeedConfig
 
-from zerotrain import checkpoint, config, distributed, metrics, models
+from zerotrain import checkpoint, config, distributed, metrics, models, run_tokenizer
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
 from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, TrainingDiverged
@@ -169,6 +169,7 @@ class Trainer:
             log.info("resolved config (saved to %s):\n%s", self.run_dir / "config.yaml", text)
             config.save(self.cfg, self.run_dir / "config.yaml")
             (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
+            run_tokenizer.save_copy(self.cfg.data.train[0].path, self.run_dir)  # exports use it, from anywhere
             log.info("world: %d ranks on %d node(s), hpZ size %d (%s)", self.dist.world_size,
                      self.layout.num_nodes, self.layout.hpz_size,
                      self.cfg.hpz.mode if self.layout.hpz_size > 1 else "off")

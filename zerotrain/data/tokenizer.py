@@ -16,9 +16,11 @@ Implementations:
 
 * ``sentencepiece``: a sentencepiece model file (Llama-2's ``tokenizer.model``, or one trained here by
   :func:`train_sentencepiece` with Llama-2's published trainer settings: BPE, byte fallback, split digits, identity
-  normalisation, ``<unk>``=0 ``<s>``=1 ``</s>``=2). ``save_pretrained`` writes the model verbatim plus a
-  ``tokenizer_config.json`` naming ``LlamaTokenizer``; transformers converts it when loading (which needs the
-  ``sentencepiece`` package).
+  normalisation, ``<unk>``=0 ``<s>``=1 ``</s>``=2). ``save_pretrained`` writes the model verbatim and a
+  ``tokenizer.json`` that encodes exactly as the model does (:meth:`SentencePieceTokenizer.fast_tokenizer`), which
+  ``AutoTokenizer`` loads as a fast tokenizer adding BOS like Llama-2's, with neither ``sentencepiece`` nor
+  ``protobuf`` installed. (Left to convert ``tokenizer.model`` itself, transformers drops the dummy-prefix piece of
+  text that starts with whitespace: ``" Hello"`` -> ``[15043]`` instead of Llama-2's ``[29871, 15043]``.)
 * ``tokenizer_json``: a Hugging Face ``tokenizers`` file (Falcon's byte-level BPE). The file has no notion of BOS/EOS,
   so they come from a ``tokenizer_config.json``/``special_tokens_map.json`` next to it, else from well-known names
   (``<|endoftext|>`` for Falcon).
@@ -26,8 +28,9 @@ Implementations:
   checkpoint being evaluated (:func:`as_tokenizer` wraps one and passes a :class:`Tokenizer` through).
 
 Text is encoded literally by the two file tokenizers: a string such as ``</s>`` inside a document is text, not the
-EOS token, so data cannot inject control tokens (a ``transformers`` tokenizer reads such strings as special tokens,
-as transformers and lm-evaluation-harness do). ``load_tokenizer`` on a directory prefers ``tokenizer.model`` over
+EOS token, so data cannot inject control tokens (a ``transformers`` tokenizer, our exports' included, reads such
+strings as special tokens, as transformers and lm-evaluation-harness do; on all other text the exports give the
+training ids). ``load_tokenizer`` on a directory prefers ``tokenizer.model`` over
 ``tokenizer.json`` (a Llama-2 HF directory has both; the sentencepiece model is the original).
 """
 
@@ -234,10 +237,45 @@ class SentencePieceTokenizer(FileTokenizer):
     def token_text(self, token_id: int) -> str:
         return self._sp.id_to_piece(token_id)
 
+    def save_pretrained(self, out_dir: str | Path) -> list[Path]:
+        """The model verbatim (for sentencepiece users such as a slow tokenizer), its exact ``tokenizer.json`` (what
+        ``AutoTokenizer`` loads) and the config files."""
+        written = super().save_pretrained(out_dir)
+        fast = Path(out_dir) / "tokenizer.json"
+        self.fast_tokenizer().save(str(fast), pretty=True)
+        return [*written, fast]
+
+    def fast_tokenizer(self) -> Any:
+        """This model as a ``tokenizers.Tokenizer`` that gives the ids :meth:`encode` gives, BOS prepended by its
+        post-processor (``add_special_tokens=True``), as Llama-2's ``tokenizer.json`` does.
+
+        Built by transformers' own converter from the model's pieces, scores and normaliser settings, with
+        ``legacy=True``: sentencepiece puts its dummy prefix ``▁`` in front of every text, also one that already
+        starts with a space (``" Hello"`` -> ``"▁▁Hello"`` -> ``[▁, ▁Hello]``); the non-legacy conversion, like
+        transformers' ``LlamaTokenizer``, leaves it out there. Reading the model file needs ``protobuf``, loading the
+        result does not.
+        """
+        from tokenizers import AddedToken, processors
+        from transformers.convert_slow_tokenizer import SentencePieceExtractor, SpmConverter
+
+        extractor = SentencePieceExtractor(str(self.path))
+        vocab = extractor.extract(None)["vocab"]  # None: BPE or Unigram, as the model file says
+        tokenizer = SpmConverter.build_tokenizer_from_spm_proto(extractor.proto, vocab, legacy=True)
+        special = [i for i in range(self.vocab_size) if self._sp.is_control(i) or self._sp.is_unknown(i)]
+        tokenizer.add_special_tokens([AddedToken(self.token_text(i), special=True, normalized=False)
+                                      for i in special])
+        if self.bos_id is not None:
+            bos = self.token_text(self.bos_id)
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, self.bos_id)])
+        return tokenizer
+
     def _hf_config(self) -> dict:
-        # legacy=True keeps sentencepiece's own handling of the dummy prefix, as Llama-2's released files do.
+        # PreTrainedTokenizerFast: transformers then loads tokenizer.json as it is. Naming LlamaTokenizer would make
+        # it rebuild the pipeline from the vocabulary alone and lose the leading-whitespace behaviour again. legacy
+        # keeps sentencepiece's own dummy prefix for whoever loads tokenizer.model with a slow LlamaTokenizer.
         return {
-            "tokenizer_class": "LlamaTokenizer",
+            "tokenizer_class": "PreTrainedTokenizerFast",
             "unk_token": self.token_text(self._sp.unk_id()),
             "add_bos_token": self.bos_id is not None,
             "add_eos_token": False,
@@ -393,7 +431,7 @@ def as_tokenizer(tokenizer: Any) -> Tokenizer:
     """A :class:`Tokenizer` for ``tokenizer``: a ``transformers`` one wrapped, one of ours passed through."""
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
-    from transformers import PreTrainedTokenizerBase  # only here: data preparation never needs transformers
+    from transformers import PreTrainedTokenizerBase  # here, not at the top: encoding never needs transformers
 
     if isinstance(tokenizer, PreTrainedTokenizerBase):
         return TransformersTokenizer(tokenizer)

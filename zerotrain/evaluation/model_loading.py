@@ -66,12 +66,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def _export_training_checkpoint(path: Path) -> Path | None:
-    """A zerotrain checkpoint -> its Hugging Face export (made once, by rank 0, atomically); None if not ours."""
-    import shutil
-
+    """A zerotrain checkpoint -> its Hugging Face export (made once, by rank 0, with zerotrain.export's atomic
+    export_checkpoint); None if not ours."""
     import torch.distributed as dist
 
     from zerotrain import checkpoint
+    from zerotrain.errors import DataError
     from zerotrain.export import export_checkpoint, resolve_tag_dir
 
     try:
@@ -82,10 +82,10 @@ def _export_training_checkpoint(path: Path) -> Path | None:
         return None  # a DeepSpeed checkpoint, but not one of ours: no config to rebuild the model from
     export = tag_dir / "hf"
     if not (export / "config.json").is_file() and (not dist.is_initialized() or dist.get_rank() == 0):
-        tmp = tag_dir / ".hf.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        export_checkpoint(tag_dir, tmp)
-        tmp.rename(export)
+        try:
+            export_checkpoint(tag_dir, export)
+        except (checkpoint.CheckpointError, DataError) as e:
+            raise NotAnHFExportError(f"cannot export checkpoint {tag_dir} to evaluate it: {e}") from None
     if dist.is_initialized():
         dist.barrier()
     return export
