@@ -8,6 +8,7 @@ Arguments are ``key=value``: ``recipe=<name>`` picks recipes/<name>.yaml, ``<gro
 from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted keys override single values.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,13 @@ def main(argv: list[str]) -> int:
     try:
         cfg = parse_args(argv)  # every key, type and range is checked here, before any process group exists
         check_inputs(cfg)
+        from zerotrain.run_dir import preflight
+
+        finished = preflight(cfg)  # reads only: a relaunch that cannot work, or has nothing to do, writes nothing
+        if finished:
+            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+                print(finished)
+            return 0
         from zerotrain.trainer import Trainer
 
         return Trainer(cfg).fit()

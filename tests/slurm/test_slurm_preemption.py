@@ -73,3 +73,21 @@ def test_all_ranks_agree_on_the_stop_step():
     # fork: torch is already imported here, so the workers start in milliseconds instead of re-importing it
     mp.start_processes(_agreement_worker, args=(port, results), nprocs=2, join=True, start_method="fork")
     assert results[0] == results[1] == [False, True, True, True]
+
+
+def test_only_sigusr1_says_requeue(handler):
+    """scancel sends SIGTERM and train.sbatch does not requeue after it: the run must not claim it will be."""
+    assert "another rank got a stop signal" in handler.stop_message(7)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert handler.should_stop()
+    terminated = handler.stop_message(7)
+    assert terminated == ("terminated (SIGTERM): checkpoint saved at step 7, not requeued; relaunch the same command "
+                          "to continue from it")
+    usr1 = PreemptionHandler(install=False)
+    usr1.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert "exiting for requeue" in usr1.stop_message(7) and "SIGUSR1" in usr1.stop_message(7)
+    finally:
+        usr1.uninstall()
+    assert "requeue" not in terminated.replace("not requeued", "")  # the control: the old text said "for requeue"

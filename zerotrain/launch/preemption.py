@@ -84,6 +84,18 @@ class PreemptionHandler:
         """Whether THIS process got a signal (no communication). Use :meth:`should_stop` to decide."""
         return self.received is not None
 
+    def stop_message(self, step: int) -> str:
+        """What the run says once the stop checkpoint of ``step`` is saved, by the signal this process got: only
+        SIGUSR1 (SLURM's time-limit warning) leads to a requeue; SIGTERM is a cancellation (or a preemption that
+        SLURM itself requeues), so the job script does not requeue it."""
+        if self.received == signal.SIGUSR1:
+            return f"preempted at step {step} (SIGUSR1, the time-limit warning): checkpoint saved, exiting for requeue"
+        if self.received is not None:
+            name = signal.Signals(self.received).name
+            return (f"terminated ({name}): checkpoint saved at step {step}, not requeued; relaunch the same command "
+                    f"to continue from it")
+        return f"another rank got a stop signal: checkpoint saved at step {step}, exiting"
+
     # -- step-boundary side: collective agreement --------------------------------------------------------------
 
     def should_stop(self) -> bool:
