@@ -86,3 +86,16 @@ def test_the_comm_op_build_is_announced_only_when_it_will_happen(tmp_path, monke
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "fresh"))
     assert distributed.pending_comm_op_build() == tmp_path / "fresh" / "deepspeed_shm_comm"
     assert str(REPO / ".cache" / "torch_extensions") == str(cache)  # what tools.launcher gives every run
+
+
+def test_a_config_saved_under_an_older_schema_is_compared_on_the_keys_both_have():
+    from zerotrain import config
+    from zerotrain.errors import ConfigError
+    from zerotrain.run_config import parse_args
+    from zerotrain.run_dir import check_resumable
+
+    args = ["recipe=tiny_llama", "data.train.0.path=/data"]
+    saved = config.to_yaml(parse_args(args)).replace("\ntrain:\n", "\ntrain:\n  a_removed_key: 5\n", 1)
+    check_resumable(parse_args([*args, "train.steps=99"]), Path("/runs/r/checkpoints/step_00000002"), saved)
+    with pytest.raises(ConfigError, match=r"cannot change on resume: train\.seq_len: 128 -> 64\. Nothing was"):
+        check_resumable(parse_args([*args, "train.seq_len=64"]), Path("/runs/r/checkpoints/step_00000002"), saved)

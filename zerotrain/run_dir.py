@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
+
 from zerotrain import checkpoint, config, run_config
 from zerotrain.errors import CheckpointError, ConfigError, StorageError
 
@@ -68,8 +70,11 @@ def _latest_meta(root: Path) -> Optional[tuple[Path, dict[str, Any]]]:
 def check_resumable(cfg: Any, tag_dir: Path, saved_yaml: str) -> None:
     """Raise :class:`ConfigError` naming every key that differs from the checkpoint's config and cannot change on
     resume."""
-    saved = run_config.load_text(saved_yaml, origin=f"{tag_dir}/{checkpoint.OURS}/meta.json")
-    changed = config.differences(saved, cfg)
+    try:
+        changed = config.differences(run_config.load_text(saved_yaml, origin=str(tag_dir)), cfg)
+    except ConfigError:  # saved under an older schema (a key since removed): compare the keys both configs have
+        old, new = config.flatten(yaml.safe_load(saved_yaml) or {}), config.flatten(config.as_container(cfg))
+        changed = {key: (old[key], new[key]) for key in sorted(old.keys() & new.keys()) if old[key] != new[key]}
     refused = {key: values for key, values in changed.items() if not _may_change(key)}
     if not refused:
         return

@@ -10,7 +10,9 @@ USR1 to every task) and sends SIGTERM on cancellation or preemption. The protoco
    moments (or reached only some of them).
 3. When it returns True the trainer saves a checkpoint (a collective, on every rank) and every rank exits with
    :data:`REQUEUE_EXIT_CODE`. ``slurm/train.sbatch`` sees that exit code from ``srun`` and runs
-   ``scontrol requeue $SLURM_JOB_ID``; the requeued job resumes from the checkpoint with the same run name.
+   ``scontrol requeue $SLURM_JOB_ID``; the requeued job resumes from the checkpoint with the same run name. After
+   SIGTERM (``scancel``, or a preemption SLURM requeues by itself) the script does not requeue, and the run says so
+   (:meth:`PreemptionHandler.stop_message`).
 
 A second signal while stopping (e.g. SIGTERM from ``scancel`` during the save) is logged and ignored: the save
 finishes if SLURM's KillWait allows, and SIGKILL ends it otherwise.
