@@ -91,7 +91,7 @@ class PreemptionHandler:
         SIGUSR1 (SLURM's time-limit warning) leads to a requeue; SIGTERM is a cancellation (or a preemption that
         SLURM itself requeues), so the job script does not requeue it."""
         if self.received == signal.SIGUSR1:
-            return f"preempted at step {step} (SIGUSR1, the time-limit warning): checkpoint saved, exiting for requeue"
+            return f"preempted at step {step}: checkpoint saved, exiting for requeue (SIGUSR1, the time-limit warning)"
         if self.received is not None:
             name = signal.Signals(self.received).name
             return (f"terminated ({name}): checkpoint saved at step {step}, not requeued; relaunch the same command "
