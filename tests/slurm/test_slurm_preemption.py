@@ -1,4 +1,5 @@
-"""PreemptionHandler: handlers only set a flag; should_stop agrees across ranks; repeated signals are harmless."""
+"""PreemptionHandler: handlers only set a flag; should_stop agrees across ranks; repeated signals are harmless; a
+SIGTERM (scancel) is not reported as a requeue."""
 
 import os
 import signal
@@ -8,6 +9,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tools.launcher import PYTHON, run
 from zerotrain.launch.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 
 
@@ -91,3 +93,14 @@ def test_only_sigusr1_says_requeue(handler):
     finally:
         usr1.uninstall()
     assert "requeue" not in terminated.replace("not requeued", "")  # the control: the old text said "for requeue"
+
+
+def test_a_run_terminated_by_sigterm_saves_and_does_not_claim_a_requeue(tmp_path, shakespeare):
+    proc = run([PYTHON, "tests/workers/signal_at_step.py", "SIGTERM", "2", "recipe=tiny_llama", "train.steps=4",
+                "train.log_interval=1", "train.eval_interval=0", "wandb.enabled=false", f"run.output_dir={tmp_path}",
+                "run.name=term", f"data.train.0.path={shakespeare}"], check=False, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == REQUEUE_EXIT_CODE, out[-2000:]  # train.sbatch tells SIGTERM apart by its own trap
+    assert "terminated (SIGTERM): checkpoint saved at step 2, not requeued" in out, out[-2000:]
+    assert "exiting for requeue" not in out
+    assert (tmp_path / "term" / "checkpoints" / "latest").read_text() == "step_00000002"
