@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Plain ZeRO-3 vs hpZ (stock, sync, ordered) over slow inter-node links, on an emulated 2-node cluster.
+"""Plain ZeRO-3 vs hpZ (stock, sync, ordered) vs hpZ + hierarchical gradients over slow inter-node links, on an
+emulated 2-node cluster.
 
-    sudo .venv/bin/python benchmarks/slow_link.py                       # ~8 min on 2 cores
-    sudo .venv/bin/python benchmarks/slow_link.py --rates 50,unshaped --steps 6 --out-dir runs/slow_link
+    sudo .venv/bin/python benchmarks/slow_link.py                       # ~13 min on 2 cores
+    sudo .venv/bin/python benchmarks/slow_link.py --rates 50mbit,unshaped --steps 6 --out-dir runs/slow_link
 
 One launch of 2 emulated nodes x 2 processes (``tools.emulate``: a network namespace per node, ``tc``-shaped
 veth links, intra-node traffic over each namespace's loopback) runs every (bandwidth, variant) pair one after
@@ -12,7 +13,8 @@ the other in the same processes, with the real trainer (``zerotrain.trainer.Trai
 in the output directory) and waits. The first ``--warmup`` steps of each run are left out of the measurements
 (DeepSpeed's trace validation, and hpZ's first forward that still reads the secondary shards zero.Init made).
 
-Printed (and written to ``<out-dir>/slow_link.md``, ``.json``, ``.png``), per bandwidth and variant:
+Printed (and written to ``<out-dir>/slow_link.md``, ``.json``, ``.png``): a side-by-side table (per bandwidth, every
+variant's step time and speed-up, beside the ratio of wire bytes), then per bandwidth and variant:
 step time, tokens/s, the speed-up over plain ZeRO-3 at that bandwidth, the inter-node bytes per step by the
 accounting's logical model (received from other nodes, all ranks; see ``zerotrain/comm_accounting.py``), and the
 bytes that really left the nodes' interfaces per step (``/proc/net/dev`` of each namespace's eth0: gloo's ring
