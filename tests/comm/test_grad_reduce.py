@@ -50,7 +50,7 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}  # see the module docstring
 def results(shakespeare, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("grad_reduce")
     runs = work / "runs"
-    merged: dict = {"walls": {}}
+    merged: dict = {"walls": {}, "seconds": {}}
     for phase in ("main", "resume"):
         out = work / f"{phase}.json"
         t0 = time.time()
@@ -60,7 +60,9 @@ def results(shakespeare, tmp_path_factory) -> dict:
         rcs = [n.returncode for n in nodes]
         text = "\n".join(f"--- node{i} ---\n{n.stdout}{n.stderr}" for i, n in enumerate(nodes))
         assert not any(rcs) and out.is_file(), f"{phase} launch: exit codes {rcs}\n{text[-6000:]}"
-        merged.update(json.loads(out.read_text()))
+        result = json.loads(out.read_text())
+        merged["seconds"].update(result.pop("seconds"))
+        merged.update(result)
         merged["walls"][phase] = round(wall, 1)
     print(f"\nhierarchical gradient launches: {merged['walls']} s wall; stages {merged['seconds']} s")
     return merged
@@ -100,6 +102,11 @@ def test_integer_valued_gradients_reduce_exactly_equal(results):
     for rank, r in enumerate(section(results, "unit")["per_rank"]):
         case = r["integer"]
         assert case["equal"] and case["max_diff"] == 0.0 and case["hier_vs_oracle"] == 0.0, (rank, case)
+
+
+def test_a_single_hpz_group_over_the_whole_world_is_the_flat_reduce_scatter(results):
+    for rank, r in enumerate(section(results, "unit")["per_rank"]):
+        assert r["one_group"] == {"groups": 1, "equal": True}, rank
 
 
 def test_negative_control_without_the_reorder_gives_other_ranks_partitions(results):

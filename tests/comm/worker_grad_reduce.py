@@ -132,6 +132,17 @@ def unit() -> dict:
             "shapes_equal": [a.shape for a in flat] == [b.shape for b in hier],
             "hierarchical_calls": calls,
         }
+    # One hpZ group holding the whole world (a single node): stage 1 is the whole reduction. DeepSpeed's "current"
+    # hpZ group is a module global that later stages' (plain ZeRO-3) layout checks read: put it back afterwards.
+    current = ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
+    groups.create_group(4)
+    whole = grad_reduce.build_plan(4, ds_groups._get_zero_param_intra_parallel_group())
+    ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = current
+    grads = _gradients("integer")
+    flat = reduce_scatter_coalesced([t.clone() for t in grads])
+    with grad_reduce.reducing_with(whole):
+        hier = reduce_scatter_coalesced([t.clone() for t in grads])
+    out["one_group"] = {"groups": whole.num_groups, "equal": all(torch.equal(a, b) for a, b in zip(flat, hier))}
     hpz.uninstall()
     return {"per_rank": gather(out)}
 
