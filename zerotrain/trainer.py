@@ -28,8 +28,8 @@ from transformers.integrations import HfDeepSpeedConfig
 from zerotrain import checkpoint, config, distributed, metrics, models, run_tokenizer
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
-from zerotrain.hpz.config import GradReduce
 from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, TrainingDiverged
+from zerotrain.hpz.config import GradReduce
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
 from zerotrain.launch.preemption import PreemptionHandler
 from zerotrain.loggers import MetricsLogger, setup_console

@@ -182,7 +182,8 @@ def measured(shakespeare, tmp_path_factory):
         f"run.output_dir={out_dir / 'runs'}", "run.name=comm", f"data.train.0.path={shakespeare}",
         f"train.steps={STEPS}", "train.log_interval=1", "train.eval_interval=0", "wandb.enabled=false",
         "checkpoint.save_final=false", "checkpoint.resume=false", *OVERRIDES, timeout=600, check=False)
-    print(f"\n2 nodes x 2 launch (ZeRO-3, hpZ, hpZ + hierarchical gradients, {STEPS} steps each): {time.time() - t0:.1f} s wall")
+    print(f"\n2 nodes x 2 launch (ZeRO-3, hpZ, hpZ + hierarchical gradients, {STEPS} steps each): "
+          f"{time.time() - t0:.1f} s wall")
     rcs, text = [n.returncode for n in nodes], "\n".join(f"--- node{i} ---\n{n.stdout}{n.stderr}"
                                                          for i, n in enumerate(nodes))
     assert not any(rcs) and out.is_file(), f"exit codes {rcs}\n{text[-6000:]}"

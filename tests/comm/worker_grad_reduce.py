@@ -1,6 +1,6 @@
 """Worker: every multi-process check of ``hpz.grad_reduce=hierarchical`` in one launch per phase.
 
-Runs under ``comm_launch.launch_nodes`` (2 emulated nodes x 2 ranks, ``ZEROTRAIN_NODE_NAME=node0/node1``, gloo), so
+Runs under ``tools.launcher.launch_nodes`` (2 emulated nodes x 2 ranks, ``ZEROTRAIN_NODE_NAME=node0/node1``, gloo), so
 the nodes the reduction assumes are the launch's nodes. Usage::
 
     worker_grad_reduce.py OUT.json main DATA RUNS_DIR      # unit check, refusals, loss parity, resume's 1st launch
@@ -13,7 +13,8 @@ Stages (each records its result or its error; rank 0 writes OUT.json):
   (the hierarchical reduction without the reordering of the flat buffer);
 * ``refusals``: engine builds that must fail with a clear error, each beside the same build with ``flat``;
 * ``parity``: the real trainer, 50 steps, gradient accumulation 2, clipping, evaluation, fp32 and bf16, plain
-  ZeRO-3 vs hierarchical, and the negative control (hierarchical without the reorder) (a 1-layer tiny Llama: the step time is ZeRO-3's per-parameter collectives, not compute); plus
+  ZeRO-3 vs hierarchical, and the negative control (hierarchical without the reorder) (a 1-layer tiny Llama: the
+  step time is ZeRO-3's per-parameter collectives, not compute); plus
   ``contiguous_gradients=false`` (a path that still goes through the patched reduction);
 * ``resume``: hierarchical fp32 stopped at step 7 (``train.exit_interval=7``, log interval 5), relaunched with the
   same command: it resumes and stops at step 14.
@@ -30,14 +31,12 @@ import traceback
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-
 import torch
 import torch.distributed as tdist
 
 from zerotrain import hpz
-from zerotrain.config import parse_args
 from zerotrain.hpz import grad_reduce
+from zerotrain.run_config import parse_args
 
 # torch warns that DeepSpeed's collectives are deprecated names on every call: megabytes of log per run.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)

@@ -11,7 +11,8 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from zerotrain import hpz
-from zerotrain.config import ConfigError, parse_args
+from zerotrain.config import ConfigError
+from zerotrain.run_config import parse_args
 from zerotrain.hpz import grad_reduce
 
 GRAD_REDUCE_PATCHES = [
