@@ -225,22 +225,19 @@ def refusals(runs: Path, data: str) -> dict:
 
 def train(name: str, runs: Path, data: str, overrides: list[str]) -> dict:
     """One trainer run; per-step losses (every step, whatever the log interval), metrics.jsonl records."""
-    from zerotrain.trainer import Trainer
+    from zerotrain.trainer import StepCallback, Trainer
+
+    per_step: list[float] = []
+
+    class RecordLoss(StepCallback):  # every step's loss, whatever the log interval
+        def on_step_end(self, trainer, step, result):
+            per_step.append(result.loss)
 
     hpz.uninstall()  # a fresh install per run, as in a fresh process
     trainer = Trainer(parse_args([*COMMON, f"data.train.0.path={data}", f"run.output_dir={runs}",
-                                  f"run.name={name}", *overrides]))
+                                  f"run.name={name}", *overrides]), callbacks=[RecordLoss()])
     plan = getattr(trainer.engine.optimizer, grad_reduce.PLAN_ATTR, None)
     start_step = trainer.state.step
-    per_step: list[float] = []
-    original = trainer._train_step
-
-    def step():
-        loss, nonfinite = original()
-        per_step.append(loss)
-        return loss, nonfinite
-
-    trainer._train_step = step
     t0 = time.perf_counter()
     rc = trainer.fit()
     seconds = time.perf_counter() - t0
