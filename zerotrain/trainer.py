@@ -29,6 +29,7 @@ from zerotrain import checkpoint, config, distributed, metrics, models, run_toke
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
 from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, TrainingDiverged
+from zerotrain.hpz.config import GradReduce
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
 from zerotrain.launch.preemption import PreemptionHandler
 from zerotrain.loggers import MetricsLogger, setup_console
@@ -90,10 +91,12 @@ class Trainer:
         validation = self._validation() if train.eval_interval else None
 
         self.hpz_active = self.layout.hpz_size > 1
-        if self.hpz_active:
-            from zerotrain import hpz
+        from zerotrain import hpz
 
-            hpz.install(mode=str(cfg.hpz.mode), verify=cfg.hpz.verify)
+        if self.hpz_active or cfg.hpz.grad_reduce != GradReduce.flat:  # without hpZ the engine build refuses it
+            hpz.install(mode=str(cfg.hpz.mode), verify=cfg.hpz.verify, grad_reduce=str(cfg.hpz.grad_reduce))
+        else:  # plain ZeRO-3: nothing an earlier run in this process installed (benchmarks, tests) may apply to it
+            hpz.uninstall()
         # transformers partitions the model at construction (zero.Init) while this object is referenced.
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         model = models.build_model(cfg.model, train.precision)

@@ -19,6 +19,13 @@ class HpzMode(StrEnum):
     ordered = "ordered"  # ours: the all-gather stream waits on an event recorded after each copy
 
 
+class GradReduce(StrEnum):
+    """The members are :data:`zerotrain.hpz.grad_reduce.GRAD_REDUCE_MODES` (a test keeps the two the same)."""
+
+    flat = "flat"  # DeepSpeed's reduce-scatter over the world
+    hierarchical = "hierarchical"  # inside the hpZ group first, then across nodes over 1/hpZ of the data
+
+
 @dataclass
 class HpzConfig:
     """The ``hpz`` section."""
@@ -28,3 +35,6 @@ class HpzConfig:
     verify: bool = False
     """Check every secondary shard against the primary partitions before it is read (costs one small all-gather
     per shard-reading all-gather); a mismatch stops the run with exit code 4."""
+    grad_reduce: GradReduce = GradReduce.flat
+    """Gradient reduce-scatter: flat (DeepSpeed's, over the world) | hierarchical (inside the node over the hpZ group
+    first, then across nodes over 1/hpZ of the data: :mod:`zerotrain.hpz.grad_reduce`). Needs hpZ > 1."""
