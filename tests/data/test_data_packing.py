@@ -57,7 +57,7 @@ def test_pretraining_windows_reset_positions_exactly_at_the_prepared_document_bo
     loader = build_loader([(str(pretrain_dataset), 1.0)], "train", SEQ, 1, seed=3)
     source = loader.sources[0]
     resets = 0
-    for index in range(min(200, source.num_samples)):  # window `index` covers tokens [index * SEQ, (index + 1) * SEQ) of the stream
+    for index in range(min(200, source.num_samples)):  # window index covers tokens [index*SEQ, (index+1)*SEQ)
         starts = [int(o) - index * SEQ for o in offsets if index * SEQ <= o < (index + 1) * SEQ]
         sample = source.sample(index)
         assert "attention_mask" not in sample
