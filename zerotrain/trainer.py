@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers.integrations import HfDeepSpeedConfig
 
-from zerotrain import checkpoint, config, distributed, metrics, models, run_tokenizer
+from zerotrain import checkpoint, config, distributed, loss_reduction, metrics, models, run_tokenizer
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
 from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, TrainingDiverged
@@ -33,7 +33,7 @@ from zerotrain.hpz.config import GradReduce
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
 from zerotrain.launch.preemption import PreemptionHandler
 from zerotrain.loggers import MetricsLogger, setup_console
-from zerotrain.run_config import Config, NanPolicy
+from zerotrain.run_config import Config, LossReduction, NanPolicy
 from zerotrain.validation import Validation
 
 log = logging.getLogger("zerotrain")
@@ -44,7 +44,8 @@ class StepResult:
     """What one optimizer step gave."""
 
     loss: float
-    """The loss averaged over micro-batches and ranks."""
+    """The loss averaged over micro-batches and ranks (under train.loss_reduction=token: the mean over every
+    trained token of the step)."""
     nonfinite: bool
     """Whether any rank saw a non-finite loss."""
     lr: float
@@ -99,7 +100,7 @@ class Trainer:
             hpz.uninstall()
         # transformers partitions the model at construction (zero.Init) while this object is referenced.
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
-        model = models.build_model(cfg.model, train.precision)
+        model = models.build_model(cfg.model, train.precision, train.activation_checkpointing)
         self.flops_per_token = metrics.flops_per_token(
             metrics.matmul_params(model), cfg.model.num_layers, cfg.model.hidden_size, train.seq_len
         )
@@ -256,9 +257,14 @@ class Trainer:
         lr = self.engine.get_lr()[0]
         started = time.perf_counter()
         total = torch.zeros(2, dtype=torch.float32, device=self.device)
-        for _ in range(self.cfg.train.grad_accum):
-            batch = {k: v.to(self.device) for k, v in next(self.train_loader).items()}
-            loss = self.engine(**batch).loss
+        # The step's micro-batches first: under token reduction every forward needs the step's global token count.
+        micro_batches = [{k: v.to(self.device) for k, v in next(self.train_loader).items()}
+                         for _ in range(self.cfg.train.grad_accum)]
+        extra = {}
+        if self.cfg.train.loss_reduction == LossReduction.token:
+            extra["num_items_in_batch"] = loss_reduction.num_items_in_batch(micro_batches, self.dp_size, self.device)
+        for batch in micro_batches:
+            loss = self.engine(**batch, **extra).loss
             self.engine.backward(loss)
             self.engine.step()
             value = loss.detach().float()
