@@ -84,8 +84,9 @@ def test_train_py_under_the_emulator_logs_races_for_stock_and_none_for_ordered(e
     assert stock[-1]["hpz/races_total"] == sum(r["hpz/races"] + r["hpz/freed_source_races"] for r in stock)
     assert all(r["hpz/races"] == r["hpz/freed_source_races"] == r["hpz/racing_ranks"] == 0 for r in ordered)
     assert ordered[-1]["hpz/races_total"] == 0
-    # The emulator was at work in both: shard writes deferred every step, and ordered really waited for them.
-    assert all(r["hpz/deferred_writes"] > 0 for r in stock + ordered)
+    # The emulator was at work in both: shard writes deferred in every step that built shards, and ordered really
+    # waited for them.
+    assert all(r["hpz/deferred_writes"] > 0 for r in ordered + stock[:2])  # stock step 3: step 2 skipped, no rebuild
     assert all(r["hpz/waits_issued"] > 0 and r["hpz/host_syncs"] == 0 for r in ordered)
 
 
