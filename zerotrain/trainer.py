@@ -30,6 +30,7 @@ from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
 from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, TrainingDiverged
 from zerotrain.hpz.config import GradReduce
+from zerotrain.hpz.emulated_run import EmulatedRun
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
 from zerotrain.launch.preemption import PreemptionHandler
 from zerotrain.loggers import MetricsLogger, setup_console
@@ -71,6 +72,8 @@ class Trainer:
         self.cfg = cfg
         self.callbacks = list(callbacks)
         distributed.apply_environment(cfg.cluster.env)
+        # hpz.emulate_async: the emulated asynchronous accelerator goes in before the process group exists.
+        self.emulation = EmulatedRun.start(cfg.hpz, cfg.zero)
         # Before the slow set-up: a SLURM warning signal arriving with no handler installed would kill the process.
         self.preemption = PreemptionHandler()
         self.dist = distributed.init()
@@ -244,6 +247,8 @@ class Trainer:
                     self._export()
             return EXIT_OK
         finally:
+            if self.emulation is not None:
+                self.emulation.finish(self.run_dir, self.dist.rank, self.dist.world_size)
             self.logger.close()
 
     @property
@@ -293,6 +298,7 @@ class Trainer:
             "loss": sum(r.loss for r in window) / len(window),
             "lr": window[-1].lr,
             "grad_norm": _as_float(self.engine.get_global_grad_norm()),
+            "skipped_steps": self.engine.skipped_steps,  # DeepSpeed's, since the start: steps dropped on a bad norm
             "step_time_s": step_time,
             "tokens": self.state.tokens,
             "tokens_per_s": tokens_per_s,
@@ -306,6 +312,8 @@ class Trainer:
 
             out.update({f"hpz/{k}": v for k, v in hpz.counters().items()})
             hpz.reset_counters()
+        if self.emulation is not None:  # every rank reaches here: summed over ranks
+            out.update(self.emulation.interval_metrics())
         if self.cfg.comm.accounting:  # every rank reaches here: the snapshot is summed over ranks
             from zerotrain import comm_accounting
 
