@@ -21,12 +21,14 @@ import yaml
 from zerotrain import checkpoint, config, run_config
 from zerotrain.errors import CheckpointError, ConfigError, StorageError
 
-# Keys (or whole sections) a resumed run may change: how long it runs and what it logs, evaluates, keeps and where
-# it runs. Everything else shapes the state the checkpoint holds (model, optimizer, schedule, data order, batch).
+# Keys (or whole sections) a resumed run may change: how long it runs, what it logs, evaluates and keeps, where it
+# runs, and how it computes and communicates the same thing (attention kernel, recomputation, hpZ's shard and gradient
+# paths). Everything else shapes the state the checkpoint holds (model, optimizer, schedule, data order, batch).
 MAY_CHANGE_ON_RESUME = (
     "run.output_dir", "run.recipe",
     "train.steps", "train.log_interval", "train.eval_interval", "train.eval_batches", "train.exit_interval",
-    "train.nan_policy", "data.valid", "hpz.verify", "checkpoint", "wandb", "mmlu", "comm", "cluster",
+    "train.nan_policy", "train.activation_checkpointing", "model.attn_implementation", "data.valid",
+    "hpz", "checkpoint", "wandb", "mmlu", "comm", "cluster",
 )
 
 
