@@ -8,6 +8,7 @@ Arguments are ``key=value``: ``recipe=<name>`` picks recipes/<name>.yaml, ``<gro
 from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted keys override single values.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,13 @@ def main(argv: list[str]) -> int:
 
     try:
         cfg = parse_args(argv)  # every key, type and range is checked here, before any process group exists
+        from zerotrain.run_dir import preflight
+
+        finished = preflight(cfg)  # reads only: a relaunch that cannot work, or has nothing to do, writes nothing
+        if finished:  # (even if its data set has moved since)
+            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+                print(finished)
+            return 0
         check_inputs(cfg)
         from zerotrain.trainer import Trainer
 

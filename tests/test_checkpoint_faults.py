@@ -1,4 +1,5 @@
-"""Checkpoints under faults: a full disk, a flipped bit, a dangling ``latest``. Nothing complete is ever lost.
+"""Checkpoints under faults: a full disk, a flipped bit, a dangling ``latest``, a relaunch of a finished run or with
+a changed config. Nothing complete is ever lost, and a relaunch that has nothing to do, or cannot work, writes nothing.
 
 The disk is a real, small tmpfs mounted for the test (root only; skipped otherwise), so the failures are the ones
 PyTorch and DeepSpeed really raise there, not simulated ones.
@@ -6,6 +7,7 @@ PyTorch and DeepSpeed really raise there, not simulated ones.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -15,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from tools.launcher import PYTHON, run, torchrun
+from zerotrain import config
+from zerotrain.errors import StorageError
+from zerotrain.run_config import compose
 
 TINY = ["recipe=tiny_llama", "train.log_interval=1", "train.eval_interval=0", "wandb.enabled=false",
         "checkpoint.interval=2", "checkpoint.keep_last=3"]
@@ -125,3 +130,60 @@ def test_a_partial_save_left_by_a_kill_is_removed_by_the_next_save(one_rank_run,
     proc = _resume(run_dir, shakespeare)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not stale.exists() and (run_dir / "checkpoints" / "latest").read_text() == "step_00000003"
+
+
+def snapshot(run_dir: Path) -> dict[str, tuple]:
+    """Every path under the run directory with its kind, modification time and content hash."""
+    return {str(p.relative_to(run_dir)): (p.is_dir(), p.stat().st_mtime_ns,
+                                          None if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in [run_dir, *run_dir.rglob("*")]}
+
+
+def test_relaunching_a_finished_run_says_so_and_writes_nothing(one_rank_run, tmp_path, shakespeare):
+    run_dir = _copy(one_rank_run, tmp_path)
+    before = snapshot(run_dir)
+    args = [*TINY, f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", f"data.train.0.path={shakespeare}"]
+    # The same command, and one with keys a resume may change (logging, checkpointing, W&B).
+    for extra in ([], ["train.log_interval=5", "checkpoint.keep_last=1", "wandb.tags=[again]"]):
+        proc = run([PYTHON, "train.py", *args, "train.steps=2", *extra], check=False, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert (f"run {run_dir} is finished: its latest checkpoint {run_dir / 'checkpoints' / 'step_00000002'} is "
+                f"at step 2 (train.steps=2). Nothing was written") in proc.stdout
+        assert "world:" not in proc.stdout + proc.stderr, "it must stop before the process group exists"
+        assert snapshot(run_dir) == before
+    # The control: a relaunch with more steps resumes, and the snapshot sees what it writes.
+    assert _resume(run_dir, shakespeare).returncode == 0
+    after = snapshot(run_dir)
+    assert after["config.yaml"] != before["config.yaml"] and "checkpoints/step_00000003" in after
+
+
+def test_a_changed_model_shape_is_refused_before_anything_is_written(one_rank_run, tmp_path, shakespeare):
+    run_dir = _copy(one_rank_run, tmp_path)
+    before = snapshot(run_dir)
+    proc = _resume(run_dir, shakespeare, "model.hidden_size=128", "optim.lr=1e-3")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr
+    assert f"run.name={run_dir.name} resumes from {run_dir / 'checkpoints' / 'step_00000002'}, but these keys" in err
+    assert "model.hidden_size: 64 -> 128" in err and "optim.lr: " in err
+    assert "(also changed, which is allowed: run.output_dir, train.steps)" in err and "Nothing was written" in err
+    assert "Keys that may change on resume: run.output_dir, run.recipe, train.steps" in err
+    assert "Traceback" not in err and "size of tensor" not in err
+    assert snapshot(run_dir) == before, "config.yaml (and everything else) must be as it was"
+
+
+def test_saving_the_config_on_a_full_disk_says_so_and_leaves_no_temporary(small_disk):
+    cfg = compose("tiny_llama")
+    target = small_disk / "run" / "config.yaml"
+    config.save(cfg, target)
+    saved = target.read_bytes()
+    filler = small_disk / "filler"
+    with open(filler, "wb", buffering=0) as f:  # fill the disk to the last block
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+        except OSError:
+            pass
+    with pytest.raises(StorageError, match=rf"no space left on {small_disk} while writing {target} \("):
+        config.save(compose("tiny_llama", ["train.steps=7"]), target)
+    assert target.read_bytes() == saved, "the old config must stay whole"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["config.yaml"], "no temporary may be left behind"

@@ -14,8 +14,9 @@ from pathlib import Path
 from tools.launcher import PYTHON, REPO
 
 PACKAGE = REPO / "zerotrain"
-# What the composition/override machinery may import from the package: the error types and the field declarations.
-CONFIG_MAY_IMPORT = {"zerotrain.errors", "zerotrain.fields"}
+# What the composition/override machinery may import from the package: the error types, the field declarations and
+# the atomic-write helpers (config.save; durable imports nothing but the error types).
+CONFIG_MAY_IMPORT = {"zerotrain.errors", "zerotrain.fields", "zerotrain.durable"}
 
 
 def module_name(path: Path) -> str:

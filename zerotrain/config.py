@@ -27,6 +27,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from zerotrain import durable
 from zerotrain.errors import ConfigError
 from zerotrain.fields import check_ranges
 
@@ -246,11 +247,30 @@ def to_yaml(cfg: DictConfig | Any) -> str:
 
 
 def save(cfg: DictConfig | Any, path: Path) -> None:
-    """Write the fully resolved config atomically (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(path)
+    """Write the fully resolved config atomically (never a half-written file, no temporary left on a failure);
+    raises :class:`~zerotrain.errors.StorageError` when it cannot be written (a full disk, say)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        durable.atomic_write_text(path, to_yaml(cfg))
+    except OSError as e:
+        raise durable.write_error(e, path) from None
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Plain nested mappings -> ``{"a.b.c": leaf}``; lists are leaves (compared whole)."""
+    if not isinstance(data, dict) or not data:
+        return {prefix: data} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def differences(old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
+    """The dotted keys whose values differ between two configs (typed objects or nodes), with (old, new) values;
+    a key missing on one side has ``None`` there."""
+    a, b = flatten(as_container(old)), flatten(as_container(new))
+    return {key: (a.get(key), b.get(key)) for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)}
 
 
 def load(schema: type, path: Path) -> DictConfig:

@@ -11,9 +11,13 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -83,6 +87,9 @@ def init(timeout_minutes: float = 30.0) -> DistInfo:
     check_rendezvous()  # an unreachable rendezvous fails here, in bounded time, naming the node
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     accelerator = get_accelerator()
+    quiet_deprecated_collectives()
+    if int(os.environ["RANK"]) == 0:
+        announce_comm_op_build()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
     if not dist.is_initialized():
@@ -97,6 +104,46 @@ def init(timeout_minutes: float = 30.0) -> DistInfo:
         local_rank=local_rank,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
     )
+
+
+# DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates; each call site warns once per process (about 360
+# FutureWarnings in a 4-rank demo) about code that is not ours. torch's c10d_logger wrapper is the frame the warning
+# names, so the filter matches the message of exactly these functions there; every other warning still shows.
+_DEPRECATED_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "_all_gather_base",
+                           "_reduce_scatter_base", "all_gather_coalesced", "all_reduce_coalesced")
+DEPRECATED_COLLECTIVE_WARNING = (r"`torch\.distributed\.(" + "|".join(_DEPRECATED_COLLECTIVES) + r")` "
+                                 r"(is deprecated|is a private function|will be deprecated)")
+
+
+def quiet_deprecated_collectives() -> None:
+    warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVE_WARNING, category=FutureWarning,
+                            module=r"(torch\.distributed|deepspeed)\.")
+
+
+def pending_comm_op_build() -> Optional[Path]:
+    """Where DeepSpeed is about to JIT-compile its CPU shared-memory comm op (deepspeed_shm_comm, built when the
+    process group is created on the CPU accelerator), or None when there is nothing to build (cached, or not the CPU
+    accelerator)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own rule for where the build goes
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return None
+    builder = accelerator.create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    directory = Path(_get_build_directory(builder.NAME, verbose=False))
+    return None if (directory / f"{builder.NAME}.so").is_file() else directory
+
+
+def announce_comm_op_build() -> None:
+    """A first run is otherwise silent for about 90 s while the op compiles."""
+    directory = pending_comm_op_build()
+    if directory is not None:
+        print(f"building DeepSpeed's CPU shared-memory comm op (deepspeed_shm_comm) in {directory}: about 90 s, "
+              f"once per checkout (TORCH_EXTENSIONS_DIR); later runs load it from there", file=sys.stderr, flush=True)
 
 
 def seed_everything(seed: int) -> None:

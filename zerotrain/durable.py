@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from zerotrain.errors import StorageError
+
 READ_BLOCK = 16 << 20
 # Writes at least this large are hashed on a second thread while the first one writes them (zlib.crc32 and the
 # write system call both release the GIL), so the checksum costs little more than the write itself.
@@ -163,6 +165,19 @@ def is_out_of_space(error: BaseException, directory: Path) -> bool:
     except OSError:
         return False
     return usage.free < max(1 << 20, usage.total // 1000)
+
+
+def write_error(error: OSError, path: Path) -> StorageError:
+    """A failed write of ``path`` as a message a user can act on: out of space (with the free space), a read-only
+    file system, or the system's own words."""
+    where = mount_point(path.parent if path.parent.exists() else Path.cwd())
+    if is_out_of_space(error, where):
+        free = shutil.disk_usage(where).free
+        return StorageError(f"no space left on {where} while writing {path} ({human_bytes(free)} free); free space "
+                            f"there, or choose another run.output_dir, and relaunch")
+    if error.errno == errno.EROFS:
+        return StorageError(f"cannot write {path}: {where} is a read-only file system; choose a writable location")
+    return StorageError(f"cannot write {path}: {error.strerror or error}")
 
 
 def mount_point(path: Path) -> Path:

@@ -5,7 +5,7 @@ package raises one of these types (or a subclass defined next to the code that r
 
 ====  ====================================================================================================
 0     done (or stopped at ``train.exit_interval``: relaunch to continue)
-2     a problem the user can fix: config, data, checkpoint, node layout, rendezvous, SLURM environment
+2     a problem the user can fix: config, data, checkpoint, storage, node layout, rendezvous, SLURM env
 3     training diverged (a non-finite loss under ``train.nan_policy=stop``); the last checkpoint is untouched
 4     ``hpz.verify=true`` found a secondary shard that differs from its primary partitions
 75    preempted: a checkpoint was saved, requeue the job (``slurm/train.sbatch`` does)
@@ -41,6 +41,11 @@ class DataError(ZerotrainError, RuntimeError):
 
 class CheckpointError(ZerotrainError, RuntimeError):
     """A checkpoint that cannot be used; the message names the file and what to do."""
+
+
+class StorageError(ZerotrainError, OSError):
+    """The run's files cannot be written there: out of space, read-only, a file where a directory must be; the
+    message names the path and the file system."""
 
 
 class LayoutError(ZerotrainError, RuntimeError):

@@ -1,7 +1,10 @@
 """Where metrics go: a console line, a JSONL file per run (always), and Weights & Biases (rank 0 only).
 
 The W&B run id is stored with every checkpoint and given back to ``wandb.init(id=..., resume="allow")`` on restart,
-so a preempted and requeued job continues the same W&B run instead of starting a new one. Without an API key
+so a preempted and requeued job continues the same W&B run instead of starting a new one. A resumed run recomputes
+the steps between its checkpoint and the last step the previous launch logged; those rows already are in the W&B run
+(W&B cannot take rows back), so they go to metrics.jsonl only, and the W&B curve has each step once (see
+:class:`MetricsLogger`). Without an API key
 (``WANDB_API_KEY`` or a ``~/.netrc`` entry) W&B runs offline; ``wandb sync <run dir>/wandb/offline-run-*`` uploads
 it later. The ``wandb`` section of the run config (:class:`WandbConfig`) is declared here.
 """
@@ -16,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional
+
+from zerotrain import durable
 
 log = logging.getLogger("zerotrain")
 
@@ -85,12 +90,16 @@ def format_line(step: int, total: int, m: dict[str, Any]) -> str:
 
 class JsonlMetrics:
     """``metrics.jsonl``: one object per logged step. On resume, lines past the checkpoint's step are dropped so the
-    file holds one continuous curve (those steps are about to be recomputed, identically)."""
+    file holds one continuous curve (those steps are about to be recomputed, identically); ``last_logged_step`` is
+    the last step the file held before that."""
 
     def __init__(self, path: Path, resume_step: Optional[int]):
         self.path = path
+        self.last_logged_step: Optional[int] = None
         if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            lines = [line for line in path.read_text().splitlines() if line]
+            self.last_logged_step = max((json.loads(line)["step"] for line in lines), default=None)
+            kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(path)
@@ -156,11 +165,17 @@ class WandbMetrics:
         self.run.finish()
 
 
+# In the run directory: the last step any launch logged to the run's W&B run, kept across resumes (metrics.jsonl is
+# trimmed on each resume, so after two resumes from one checkpoint it no longer shows how far the first one got).
+WANDB_LOGGED_MARK = ".wandb_logged_step"
+
+
 class MetricsLogger:
     """Fan a record out to the console, the JSONL file and W&B (rank 0 only; other ranks log nothing).
 
     ``run_name`` is W&B's default display name, ``run_config`` (plain data) the W&B run's config, ``total_steps``
-    the denominator of the console's ``step N/total``.
+    the denominator of the console's ``step N/total``. Resuming an existing W&B run (``wandb_run_id``), records up
+    to the last step already logged to it (``wandb_logged_step``) go to the console and metrics.jsonl only.
     """
 
     def __init__(self, wandb: WandbConfig, run_dir: Path, is_main: bool, resume_step: Optional[int],
@@ -170,6 +185,10 @@ class MetricsLogger:
         self.jsonl = JsonlMetrics(run_dir / "metrics.jsonl", resume_step) if is_main else None
         enabled = is_main and wandb.enabled and wandb_mode(wandb.mode) != WandbMode.disabled
         self.wandb = WandbMetrics(wandb, run_name, run_config, run_dir, wandb_run_id) if enabled else None
+        self.wandb_logged_step = 0
+        if is_main:
+            self.wandb_logged_step = _wandb_logged_step(run_dir / WANDB_LOGGED_MARK, resume_step, wandb_run_id,
+                                                        self.jsonl.last_logged_step)
 
     @property
     def wandb_run_id(self) -> Optional[str]:
@@ -189,9 +208,27 @@ class MetricsLogger:
 
     def _write(self, record: dict[str, Any]) -> None:
         self.jsonl.write(record)
-        if self.wandb:
+        if self.wandb and record["step"] > self.wandb_logged_step:
             self.wandb.write(record)
 
     def close(self) -> None:
         if self.wandb:
             self.wandb.close()
+
+
+def _wandb_logged_step(mark: Path, resume_step: Optional[int], wandb_run_id: Optional[str],
+                       jsonl_last_step: Optional[int]) -> int:
+    """The last step the W&B run being resumed already holds (0 for a new W&B run), remembered in ``mark``."""
+    if resume_step is None or wandb_run_id is None:
+        mark.unlink(missing_ok=True)  # a fresh run, or a new W&B run: nothing logged to it yet
+        return 0
+    try:
+        remembered = int(mark.read_text())
+    except (FileNotFoundError, ValueError):
+        remembered = 0
+    logged = max(remembered, jsonl_last_step or 0)
+    if logged > resume_step:
+        durable.atomic_write_text(mark, str(logged))
+        log.info("W&B run %s already holds steps up to %d: steps %d-%d go to metrics.jsonl only", wandb_run_id,
+                 logged, resume_step + 1, logged)
+    return logged

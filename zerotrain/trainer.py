@@ -12,6 +12,7 @@ optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -25,10 +26,10 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers.integrations import HfDeepSpeedConfig
 
-from zerotrain import checkpoint, config, distributed, loss_reduction, metrics, models, run_tokenizer
+from zerotrain import checkpoint, config, distributed, durable, loss_reduction, metrics, models, run_tokenizer
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
-from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, TrainingDiverged
+from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, StorageError, TrainingDiverged, ZerotrainError
 from zerotrain.hpz.config import GradReduce
 from zerotrain.hpz.emulated_run import EmulatedRun
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
@@ -38,6 +39,8 @@ from zerotrain.run_config import Config, LossReduction, NanPolicy
 from zerotrain.validation import Validation
 
 log = logging.getLogger("zerotrain")
+
+LOG_WINDOW = "log_window"  # TrainState.extra key: the StepResults since the last logged line
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,10 @@ class Trainer:
 
         self.state = checkpoint.TrainState()
         resumed = self._maybe_resume()
+        # The steps since the last logged line: saved with a checkpoint, so a resumed run's next line averages the
+        # same steps as an uninterrupted run's would.
+        self.window = [StepResult(**r) for r in self.state.extra.get(LOG_WINDOW, [])]
+        self._steps_since_snapshot = 0  # the steps the communication counters have seen since their last snapshot
         self.logger = MetricsLogger(cfg.wandb, self.run_dir, self.dist.is_main,
                                     resume_step=self.state.step if resumed else None,
                                     wandb_run_id=self.state.wandb_run_id, run_name=cfg.run.name,
@@ -170,17 +177,29 @@ class Trainer:
         return MMLUHook(self.cfg.mmlu, self.cfg.data.train[0].path, self.cfg.model.max_seq_len, self.cfg.train.steps)
 
     def _write_run_files(self) -> None:
+        error: ZerotrainError | None = None
         if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            text = config.to_yaml(self.cfg)
-            log.info("resolved config (saved to %s):\n%s", self.run_dir / "config.yaml", text)
-            config.save(self.cfg, self.run_dir / "config.yaml")
-            (self.run_dir / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2))
-            run_tokenizer.save_copy(self.cfg.data.train[0].path, self.run_dir)  # exports use it, from anywhere
-            log.info("world: %d ranks on %d node(s), hpZ size %d (%s)", self.dist.world_size,
-                     self.layout.num_nodes, self.layout.hpz_size,
-                     self.cfg.hpz.mode if self.layout.hpz_size > 1 else "off")
-        distributed.barrier()
+            try:
+                self._write_run_files_rank0()
+            except ZerotrainError as e:  # e.g. a full disk: every rank must stop, not wait for rank 0
+                error = e
+        if not distributed.all_agree(error is None):
+            raise error or StorageError(f"rank 0 could not write the run directory {self.run_dir} (see its message)")
+
+    def _write_run_files_rank0(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        text = config.to_yaml(self.cfg)
+        log.info("resolved config (saved to %s):\n%s", self.run_dir / "config.yaml", text)
+        config.save(self.cfg, self.run_dir / "config.yaml")
+        ds_config = self.run_dir / "deepspeed_config.json"
+        try:
+            durable.atomic_write_text(ds_config, json.dumps(self.ds_config, indent=2))
+        except OSError as e:
+            raise durable.write_error(e, ds_config) from None
+        run_tokenizer.save_copy(self.cfg.data.train[0].path, self.run_dir)  # exports use it, from anywhere
+        log.info("world: %d ranks on %d node(s), hpZ size %d (%s)", self.dist.world_size,
+                 self.layout.num_nodes, self.layout.hpz_size,
+                 self.cfg.hpz.mode if self.layout.hpz_size > 1 else "off")
 
     def _maybe_resume(self) -> bool:
         if not self.cfg.checkpoint.resume:
@@ -210,7 +229,6 @@ class Trainer:
         (checkpoint saved); raises :class:`~zerotrain.errors.TrainingDiverged` on a non-finite loss under
         ``train.nan_policy=stop``."""
         train = self.cfg.train
-        window: list[StepResult] = []  # the steps since the last logged line
         try:
             while self.state.step < train.steps:
                 step = self.state.step + 1
@@ -221,11 +239,12 @@ class Trainer:
                 self.state.tokens += self.tokens_per_step
                 for callback in self.callbacks:
                     callback.on_step_end(self, step, result)
-                window.append(result)
+                self.window.append(result)
+                self._steps_since_snapshot += 1
                 # A non-finite step is always logged, so a diverged run's curve shows where it diverged.
                 if result.nonfinite or train.log_due(step):
-                    self.logger.log_train(step, self._metrics(window))
-                    window = []
+                    self.logger.log_train(step, self._metrics(self.window))
+                    self.window = []
                 if result.nonfinite:
                     self._on_nonfinite(result.loss)
                 for evaluation in self.evaluations:
@@ -233,7 +252,7 @@ class Trainer:
                         self.logger.log_event(step, *evaluation.run(self.engine, self.device))
                 if self.preemption.should_stop():
                     self._save()
-                    log.info("preempted at step %d: checkpoint saved, exiting for requeue", step)
+                    log.info("%s", self.preemption.stop_message(step))
                     return EXIT_REQUEUE
                 if train.exit_due(step):
                     self._save()
@@ -318,10 +337,13 @@ class Trainer:
             from zerotrain import comm_accounting
 
             snapshot = comm_accounting.snapshot_and_reset(all_ranks=True)
-            out.update(comm_accounting.metrics_record(snapshot, len(window)))
+            # A window restored from a checkpoint holds steps whose traffic was counted by the previous launch.
+            out.update(comm_accounting.metrics_record(snapshot, max(1, self._steps_since_snapshot)))
+            self._steps_since_snapshot = 0
         return out
 
     def _save(self) -> None:
+        self.state.extra[LOG_WINDOW] = [dataclasses.asdict(r) for r in self.window]
         rank_state = {"loader": self.train_loader.state_dict(), "rng": distributed.rng_state()}
         path = checkpoint.save(self.engine, self.ckpt_root, self.state, rank_state, config.to_yaml(self.cfg),
                                self.dist.rank, self.dist.world_size, self.cfg.checkpoint.keep_last,

@@ -4,6 +4,7 @@ and a stand-in for the part of ``wandb.Api`` that tools.compare uses (no network
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -45,3 +46,51 @@ class FakeApi:
     def runs(self, path: str, filters: Optional[dict] = None) -> list[FakeHistoryRun]:
         self.calls.append((path, filters))
         return list(self._runs)
+
+
+# W&B's offline run file (run-<id>.wandb): a 7-byte header (":W&B", magic 0xBEE1, version 0), then LevelDB's log
+# format (32 KiB blocks; each chunk: CRC32C, length, type full/first/middle/last) of wandb's own protobuf Records.
+_WANDB_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
+_BLOCK = 32768
+_CHUNK = struct.Struct("<IHB")
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _offline_records(data: bytes) -> list[bytes]:
+    assert data.startswith(_WANDB_HEADER), "not a W&B offline run file (or another format version)"
+    records, pending, pos = [], b"", len(_WANDB_HEADER)
+    while pos + _CHUNK.size <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _CHUNK.size:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        _, length, kind = _CHUNK.unpack_from(data, pos)
+        if kind == 0:
+            pos += left
+            continue
+        chunk = data[pos + _CHUNK.size: pos + _CHUNK.size + length]
+        pos += _CHUNK.size + length
+        if kind == _FULL:
+            records.append(chunk)
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            records.append(pending + chunk)
+    return records
+
+
+def offline_history(path: Path) -> list[dict[str, Any]]:
+    """The history rows of one W&B offline run file, decoded with wandb's own protobuf schema, keys without W&B's
+    own (``_step``, ``_runtime``, ``_timestamp``)."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for raw in _offline_records(Path(path).read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            rows.append({k: v for k, v in items.items() if not k.startswith("_")})
+    return rows

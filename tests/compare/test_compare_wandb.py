@@ -1,10 +1,12 @@
 """A real W&B offline run, written in-process by the trainer's own MetricsLogger (metrics.jsonl + W&B), killed and
-resumed like a requeued job. tools.compare reads the run directory's metrics.jsonl; the rows the logger sent to
-W&B, read back through the wandb.Api path (a stand-in for the server's history), give the same curve bitwise; a
-directory with only W&B's binary files is refused with a message saying what to use instead."""
+resumed like a requeued job, twice. The W&B run holds each step once (read back from W&B's own offline files);
+tools.compare reads the run directory's metrics.jsonl; the rows the logger sent to W&B, read back through the
+wandb.Api path (a stand-in for the server's history), give the same curve bitwise; a directory with only W&B's
+binary files is refused with a message saying what to use instead."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -12,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 from wandb.sdk.wandb_run import Run as WandbRun
 
-from compare_helpers import FakeApi, FakeHistoryRun, record
+from compare_helpers import FakeApi, FakeHistoryRun, offline_history, record
 from tools import compare
 from tools.compare import CompareError
 from zerotrain import config
@@ -26,9 +28,10 @@ GROUP = "cmp-group"
 
 @pytest.fixture(scope="module")
 def wandb_run(tmp_path_factory):
-    """(run directory, the rows logged to W&B). Steps 1-5 logged, 'preempted' after the step-3 checkpoint, resumed:
-    steps 4-6 logged again with other values (the second launch recomputes them). W&B keeps both copies of steps
-    4-5; metrics.jsonl is trimmed on resume."""
+    """(run directory, the rows logged to W&B). Steps 1-5 logged, 'preempted' with the last checkpoint at step 3;
+    resumed from it, killed again after step 4; resumed from it again, to the end. The launches recompute steps 4-5
+    (with the same values, as the trainer does); metrics.jsonl is trimmed on each resume, and W&B, which cannot take
+    rows back, is sent each step once."""
     work = tmp_path_factory.mktemp("wandb_offline")
     sent: list[dict] = []
     with pytest.MonkeyPatch.context() as mp:
@@ -60,14 +63,19 @@ def wandb_run(tmp_path_factory):
         first = MetricsLogger(wandb, run_dir, is_main=True, resume_step=None, wandb_run_id=None, **sections)
         run_id = first.wandb_run_id
         for step in range(1, 6):
-            first.log_train(step, metrics(step, LOSSES[step] + 1.0 if step >= 4 else LOSSES[step]))
-        first.log_event(3, {"val/loss": 1.75, "val/ppl": math.exp(1.75)}, "validation")
+            first.log_train(step, metrics(step, LOSSES[step]))
+            if step == 3:
+                first.log_event(3, {"val/loss": 1.75, "val/ppl": math.exp(1.75)}, "validation")
         first.close()
 
         second = MetricsLogger(wandb, run_dir, is_main=True, resume_step=3, wandb_run_id=run_id, **sections)
-        for step in range(4, 7):
-            second.log_train(step, metrics(step, LOSSES[step]))
+        second.log_train(4, metrics(4, LOSSES[4]))
         second.close()
+
+        third = MetricsLogger(wandb, run_dir, is_main=True, resume_step=3, wandb_run_id=run_id, **sections)
+        for step in range(4, 7):
+            third.log_train(step, metrics(step, LOSSES[step]))
+        third.close()
     assert sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")), "the W&B offline run was not written"
     return run_dir, sent
 
@@ -76,6 +84,22 @@ def metrics(step: int, loss: float) -> dict:
     out = record(step, loss, step_time=0.5 + 0.125 * step)
     del out["step"]
     return out
+
+
+def test_the_wandb_run_holds_each_step_once_after_two_resumes(wandb_run):
+    run_dir, sent = wandb_run
+    segments = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(segments) == 3, "one offline segment per launch"
+    rows = [row for segment in segments for row in offline_history(segment)]
+    train = [(row[WANDB_STEP_KEY], row["loss"]) for row in rows if "loss" in row]
+    assert [step for step, _ in train] == [1, 2, 3, 4, 5, 6], train
+    assert all(loss == LOSSES[step] or (math.isnan(loss) and math.isnan(LOSSES[step])) for step, loss in train)
+    assert [(row[WANDB_STEP_KEY], row["val/loss"]) for row in rows if "val/loss" in row] == [(3, 1.75)]
+    # The launches logged step 4 three times and step 5 twice; metrics.jsonl, trimmed on each resume, and W&B hold
+    # them once (without the remembered mark the third launch would send step 5 again: its metrics.jsonl ended at 4).
+    assert [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == \
+        [1, 2, 3, 3, 4, 5, 6]
+    assert len(sent) == len(rows) == 7
 
 
 def test_resumed_run_reads_back_exactly_from_metrics_jsonl(wandb_run):
@@ -97,7 +121,7 @@ def test_rows_sent_to_wandb_read_back_through_the_api_equal_metrics_jsonl_bitwis
     history = [{"_step": i, **row} for i, row in enumerate(sent)]
     api = FakeApi([FakeHistoryRun("cmp-run", history)])
     (from_wandb,) = compare.load_wandb_group("zerotrain-test", GROUP, api=api)
-    assert from_wandb.replaced == 2  # steps 4 and 5, logged again after the restart: the last value wins
+    assert from_wandb.replaced == 0  # steps 4 and 5, recomputed after the restarts, were not sent again
     from_jsonl = compare.load_run_dir(run_dir, name="jsonl")
     parity = compare.check_parity(from_jsonl, from_wandb)
     assert parity.ok, parity.message

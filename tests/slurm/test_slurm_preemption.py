@@ -1,4 +1,5 @@
-"""PreemptionHandler: handlers only set a flag; should_stop agrees across ranks; repeated signals are harmless."""
+"""PreemptionHandler: handlers only set a flag; should_stop agrees across ranks; repeated signals are harmless; a
+SIGTERM (scancel) is not reported as a requeue."""
 
 import os
 import signal
@@ -8,6 +9,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tools.launcher import PYTHON, run
 from zerotrain.launch.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 
 
@@ -73,3 +75,32 @@ def test_all_ranks_agree_on_the_stop_step():
     # fork: torch is already imported here, so the workers start in milliseconds instead of re-importing it
     mp.start_processes(_agreement_worker, args=(port, results), nprocs=2, join=True, start_method="fork")
     assert results[0] == results[1] == [False, True, True, True]
+
+
+def test_only_sigusr1_says_requeue(handler):
+    """scancel sends SIGTERM and train.sbatch does not requeue after it: the run must not claim it will be."""
+    assert "another rank got a stop signal" in handler.stop_message(7)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert handler.should_stop()
+    terminated = handler.stop_message(7)
+    assert terminated == ("terminated (SIGTERM): checkpoint saved at step 7, not requeued; relaunch the same command "
+                          "to continue from it")
+    usr1 = PreemptionHandler(install=False)
+    usr1.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert "exiting for requeue" in usr1.stop_message(7) and "SIGUSR1" in usr1.stop_message(7)
+    finally:
+        usr1.uninstall()
+    assert "requeue" not in terminated.replace("not requeued", "")  # the control: the old text said "for requeue"
+
+
+def test_a_run_terminated_by_sigterm_saves_and_does_not_claim_a_requeue(tmp_path, shakespeare):
+    proc = run([PYTHON, "tests/workers/signal_at_step.py", "SIGTERM", "2", "recipe=tiny_llama", "train.steps=4",
+                "train.log_interval=1", "train.eval_interval=0", "wandb.enabled=false", f"run.output_dir={tmp_path}",
+                "run.name=term", f"data.train.0.path={shakespeare}"], check=False, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == REQUEUE_EXIT_CODE, out[-2000:]  # train.sbatch tells SIGTERM apart by its own trap
+    assert "terminated (SIGTERM): checkpoint saved at step 2, not requeued" in out, out[-2000:]
+    assert "exiting for requeue" not in out
+    assert (tmp_path / "term" / "checkpoints" / "latest").read_text() == "step_00000002"

@@ -10,7 +10,9 @@ USR1 to every task) and sends SIGTERM on cancellation or preemption. The protoco
    moments (or reached only some of them).
 3. When it returns True the trainer saves a checkpoint (a collective, on every rank) and every rank exits with
    :data:`REQUEUE_EXIT_CODE`. ``slurm/train.sbatch`` sees that exit code from ``srun`` and runs
-   ``scontrol requeue $SLURM_JOB_ID``; the requeued job resumes from the checkpoint with the same run name.
+   ``scontrol requeue $SLURM_JOB_ID``; the requeued job resumes from the checkpoint with the same run name. After
+   SIGTERM (``scancel``, or a preemption SLURM requeues by itself) the script does not requeue, and the run says so
+   (:meth:`PreemptionHandler.stop_message`).
 
 A second signal while stopping (e.g. SIGTERM from ``scancel`` during the save) is logged and ignored: the save
 finishes if SLURM's KillWait allows, and SIGKILL ends it otherwise.
@@ -83,6 +85,18 @@ class PreemptionHandler:
     def requested(self) -> bool:
         """Whether THIS process got a signal (no communication). Use :meth:`should_stop` to decide."""
         return self.received is not None
+
+    def stop_message(self, step: int) -> str:
+        """What the run says once the stop checkpoint of ``step`` is saved, by the signal this process got: only
+        SIGUSR1 (SLURM's time-limit warning) leads to a requeue; SIGTERM is a cancellation (or a preemption that
+        SLURM itself requeues), so the job script does not requeue it."""
+        if self.received == signal.SIGUSR1:
+            return f"preempted at step {step}: checkpoint saved, exiting for requeue (SIGUSR1, the time-limit warning)"
+        if self.received is not None:
+            name = signal.Signals(self.received).name
+            return (f"terminated ({name}): checkpoint saved at step {step}, not requeued; relaunch the same command "
+                    f"to continue from it")
+        return f"another rank got a stop signal: checkpoint saved at step {step}, exiting"
 
     # -- step-boundary side: collective agreement --------------------------------------------------------------
 
