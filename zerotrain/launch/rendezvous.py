@@ -29,7 +29,7 @@ DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "ZEROTRAIN_RENDEZVOUS_TIMEOUT"
 
 
-def _where(environ: Mapping[str, str]) -> str:
+def rank_and_node(environ: Mapping[str, str]) -> str:
     node = environ.get("SLURMD_NODENAME") or socket.gethostname()
     return f"rank {environ.get('RANK', '?')} on node {node}"
 
@@ -104,7 +104,7 @@ def check_rendezvous(environ: Mapping[str, str] = os.environ, timeout_s: float |
     Raises :class:`RendezvousError` within about ``timeout_s`` seconds (default 300, or $ZEROTRAIN_RENDEZVOUS_TIMEOUT).
     """
     timeout = _timeout(environ, timeout_s)
-    where = _where(environ)
+    where = rank_and_node(environ)
     host, port_text = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
     if not host or not port_text:
         raise RendezvousError(
