@@ -11,14 +11,13 @@ killed during start-up, a rank that never joins. Real train.py, real torchrun, r
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from processes import Signaller
 
 from tools.launcher import PYTHON, REPO, LaunchTimeout, free_port, run
 
@@ -28,75 +27,10 @@ WRAPPER = [PYTHON, "-m", "zerotrain.launch.torchrun", "--standalone"]
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
 
 
-# ---- finding the launched ranks: /proc, by a marker in their environment ----------------------------------------
-
-
-def train_processes(marker: str) -> dict[int, int]:
-    """rank -> pid of the train.py processes (not their torchrun agent) whose environment holds ``marker``."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"ZT_TEST_MARKER={marker}".encode() not in environ or b"train.py" not in cmdline[:4]:
-            continue
-        if any(b"torch.distributed.run" in a or b"zerotrain.launch.torchrun" in a for a in cmdline):
-            continue
-        rank = next((int(e.split(b"=", 1)[1]) for e in environ if e.startswith(b"RANK=")), 0)
-        found[rank] = int(entry)
-    return found
-
-
-def importing_torch(pid: int) -> bool:
-    """The process has libtorch mapped: it is inside its heavy imports, long before any trainer object exists."""
-    try:
-        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return False
-
-
-def when(predicate, timeout: float = 300.0, poll: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError("timed out waiting for the launched processes")
-
-
-class Signaller(threading.Thread):
-    """Once rank ``rank`` of the launch marked ``marker`` is importing torch, send it ``sig``; records when."""
-
-    def __init__(self, marker: str, rank: int, sig: int):
-        super().__init__(daemon=True)
-        self.marker, self.rank, self.sig, self.sent_at, self.error = marker, rank, sig, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            pid = when(lambda: train_processes(self.marker).get(self.rank))
-            when(lambda: importing_torch(pid), poll=0.01)
-            os.kill(pid, self.sig)
-            self.sent_at = time.monotonic()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            self.error = e
-
-    def result(self) -> float:
-        self.join(10)
-        if self.error:
-            raise self.error
-        assert self.sent_at is not None, "the signal was never sent"
-        return self.sent_at
-
-
 def marked() -> tuple[str, dict[str, str]]:
-    marker = uuid.uuid4().hex
-    return marker, {"ZT_TEST_MARKER": marker}
+    """A variable for the launch's environment, and the ``NAME=value`` that finds its processes."""
+    value = uuid.uuid4().hex
+    return f"ZT_TEST_MARKER={value}", {"ZT_TEST_MARKER": value}
 
 
 # ---- a signal during start-up --------------------------------------------------------------------------------------

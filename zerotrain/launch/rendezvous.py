@@ -94,7 +94,8 @@ def _hints(host: str, port: int) -> str:
         f"(not 127.x unless all ranks run on one machine); "
         f"(3) no firewall blocks TCP port {port} between the nodes; "
         f"(4) the socket interface settings (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME in the cluster config) name "
-        f"an interface that exists on every node. Set {TIMEOUT_ENV} to wait longer for a slow-starting rank 0."
+        f"an interface that exists on every node. Raise cluster.init_timeout_s (or set {TIMEOUT_ENV}) to wait longer "
+        f"for a slow-starting rank 0."
     )
 
 
