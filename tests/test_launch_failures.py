@@ -88,6 +88,18 @@ def test_rank_killed_during_startup_is_named_and_ends_the_run():
     assert ended < 60, f"the run took {ended:.0f} s to end after rank 1 died"
 
 
+def test_rank_killed_during_a_step_is_named_and_ends_the_run(shakespeare, tmp_path):
+    marker, env = marked()
+    metrics = tmp_path / "s" / "metrics.jsonl"
+    signaller = Signaller(marker, 1, signal.SIGKILL, ready=lambda _pid: metrics.exists() and metrics.read_text())
+    args = [*TINY, "train.steps=200", f"data.train.0.path={shakespeare}", f"run.output_dir={tmp_path}", "run.name=s"]
+    proc = run([*WRAPPER, "--nproc_per_node=2", "train.py", *args], env=env, check=False, timeout=900)
+    ended = time.monotonic() - signaller.result()
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
+    assert "rank 1 (local rank 1, pid" in proc.stderr and "was killed by SIGKILL" in proc.stderr
+    assert ended < 60, f"the run took {ended:.0f} s to end after rank 1 died"
+
+
 # ---- a rank that never joins -------------------------------------------------------------------------------------
 
 
@@ -113,3 +125,27 @@ def test_a_rank_that_never_joins_fails_after_the_init_timeout(tmp_path):
     # Negative control: with the default (300 s) the same rank is still waiting long after those 5 s.
     with pytest.raises(LaunchTimeout):
         lone_rank_zero(tmp_path, timeout=45)
+
+
+# ---- the record torchrun reads back (no processes) ---------------------------------------------------------------
+
+
+def test_error_file_round_trip_through_torchruns_own_reader(tmp_path, monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from zerotrain.errors import ConfigError
+    from zerotrain.launch.failures import failure_from_torchrun, first_failure, report
+
+    failures = []
+    for rank in (1, 0):
+        path = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        monkeypatch.setenv("RANK", str(rank))
+        report(ConfigError("optim.lr=-1.0 is out of range"))
+        failures.append(failure_from_torchrun(rank, ProcessFailure(rank, 100 + rank, 2, str(path))))
+    assert capsys.readouterr().err.count("error: optim.lr=-1.0 is out of range") == 1  # rank 0 only
+    first = first_failure(failures)
+    assert first.rank == 1 and first.exit_code == 2 and first.message == "optim.lr=-1.0 is out of range"
+
+    killed = failure_from_torchrun(3, ProcessFailure(3, 7, -signal.SIGKILL, str(tmp_path / "none.json")))
+    assert killed.exit_code == 137 and "rank 3 (local rank 3, pid 7) was killed by SIGKILL" in killed.describe()

@@ -17,6 +17,7 @@ from zerotrain.launch.failures import failure_from_torchrun, first_failure
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"error (rank {first.rank}): {first.message}")
         print("\n".join(lines), file=sys.stderr, flush=True)
         return first.exit_code
+    except SignalException as e:  # torchrun itself was signalled (scancel, Ctrl-C): it stopped the ranks
+        print(f"[zerotrain.launch.torchrun] stopped by {e.sigval.name}; the ranks were stopped", file=sys.stderr,
+              flush=True)
+        return 128 + int(e.sigval)
     return 0
 
 
