@@ -22,6 +22,7 @@ from pathlib import Path  # noqa: E402
 from zerotrain.config import RECIPES_DIR, available  # noqa: E402
 from zerotrain.errors import ConfigError, ZerotrainError  # noqa: E402
 from zerotrain.launch.failures import report  # noqa: E402
+from zerotrain.launch.preemption import ignore_stop_signals  # noqa: E402
 
 
 def check_inputs(cfg) -> None:
@@ -59,6 +60,8 @@ def main(argv: list[str]) -> int:
     except ZerotrainError as e:  # each error type carries its exit code (zerotrain/errors.py)
         report(e)  # printed once (rank 0) under torchrun; every rank's code and message reach the launcher
         return e.exit_code
+    finally:
+        ignore_stop_signals()  # the outcome is decided: a SIGTERM while Python tears down must not turn it into 143
 
 
 if __name__ == "__main__":

@@ -64,6 +64,18 @@ def install_early_handlers(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
         signal.signal(sig, _on_early_signal)
 
 
+def ignore_stop_signals(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+    """On the way out, once the run's outcome is decided: ignore SIGUSR1/SIGTERM from here on.
+
+    ``srun --kill-on-bad-exit`` sends SIGTERM to the other tasks as soon as the first one exits non-zero (75 after a
+    preemption checkpoint: every rank is leaving with the same code). Python gives back the default action of every
+    signal it handled when it finalizes, so a SIGTERM during that teardown would end the task with 143 instead of
+    its code, and the job would not be requeued; an ignored signal stays ignored through finalization.
+    """
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class PreemptionHandler:
     """Turns SIGUSR1/SIGTERM into a stop request that all ranks agree on at a step boundary.
 
