@@ -53,6 +53,8 @@ def test_dry_run_lines_paste_into_a_shell_unchanged(tmp_path):
 
 def test_sweep_subset_and_unknown_variant():
     assert len(dry_run("--variants", "zero3,hpz-ordered", "--", "tiny_llama")) == 2
+    (legacy,) = dry_run("--variants", "hpz-legacy", "--", "tiny_llama")  # the paper's baseline: on request
+    assert "hpz.mode=legacy" in legacy and "zero.zero_hpz_partition_size=auto" in legacy
     result = subprocess.run(["bash", str(SWEEP), "--dry-run", "--variants", "nope", "--", "x"],
                             capture_output=True, text=True, check=False)
     assert result.returncode == 2 and "unknown variant 'nope'" in result.stderr
