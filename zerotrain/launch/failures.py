@@ -20,8 +20,12 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from zerotrain.errors import EXIT_REQUEUE, ZerotrainError
+
+if TYPE_CHECKING:  # torch is imported only by the launcher side
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun's agent for every worker
 
@@ -84,7 +88,7 @@ class RankFailure:
         return f"{who} failed first, exit code {self.exit_code} (its traceback is above)"
 
 
-def failure_from_torchrun(rank: int, failure) -> RankFailure:
+def failure_from_torchrun(rank: int, failure: ProcessFailure) -> RankFailure:
     """A :class:`RankFailure` from torchrun's ``ProcessFailure`` (and our record in its error file, if any)."""
     ours = {}
     data = getattr(failure, "error_file_data", None) or {}
