@@ -30,7 +30,7 @@ data/prepared/shakespeare/manifest.json: $(VENV)/.installed data/corpus/shakespe
 		tokenizer.train_vocab_size=2048 valid_fraction=0.02
 
 demo: data
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) train.py recipe=tiny_llama $(ARGS)
+	$(PY) -m zerotrain.launch.torchrun --standalone --nproc_per_node=$(NPROC) train.py recipe=tiny_llama $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,19 +1,29 @@
 """Train a Llama-2 or Falcon model with DeepSpeed ZeRO-3 / ZeRO++ from a recipe.
 
     python train.py recipe=tiny_llama                                  # one process
-    torchrun --nproc_per_node 4 train.py recipe=tiny_llama train.steps=50 hpz.mode=sync
+    python -m zerotrain.launch.torchrun --standalone --nproc_per_node 4 train.py recipe=tiny_llama train.steps=50
     sbatch -N 2 --gpus-per-node 8 --ntasks-per-node 8 slurm/train.sbatch paper_llama2_7b optim.lr=1e-5
 
 Arguments are ``key=value``: ``recipe=<name>`` picks recipes/<name>.yaml, ``<group>=<name>`` swaps a fragment
 from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted keys override single values.
 """
 
-import os
-import sys
-from pathlib import Path
+# First, before any import that takes time (seconds to minutes on a cluster's shared file system): SLURM's time-limit
+# warning (SIGUSR1) or a SIGTERM arriving during start-up would otherwise kill the task (SIGUSR1's default action).
+# These handlers only record the signal; the trainer takes the record over and stops at its first step boundary.
+from zerotrain.launch.preemption import install_early_handlers  # isort: skip
 
-from zerotrain.config import RECIPES_DIR, available
-from zerotrain.errors import ConfigError, ZerotrainError
+if __name__ == "__main__":  # not when a tool imports check_inputs
+    install_early_handlers()
+
+import os  # noqa: E402 - after the signal handlers, on purpose
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from zerotrain.config import RECIPES_DIR, available  # noqa: E402
+from zerotrain.errors import ConfigError, ZerotrainError  # noqa: E402
+from zerotrain.launch.failures import report  # noqa: E402
+from zerotrain.launch.preemption import ignore_stop_signals  # noqa: E402
 
 
 def check_inputs(cfg) -> None:
@@ -47,12 +57,19 @@ def main(argv: list[str]) -> int:
                 print(finished)
             return 0
         check_inputs(cfg)
+        from zerotrain import distributed
         from zerotrain.trainer import Trainer
 
-        return Trainer(cfg).fit()
+        code = Trainer(cfg).fit()
+        # Every rank leaves together, after rank 0 has closed W&B: srun --kill-on-bad-exit stops the other tasks as
+        # soon as one exits non-zero (75 after a preemption checkpoint), and --wait=<s> once one exits at all.
+        distributed.barrier()
+        return code
     except ZerotrainError as e:  # each error type carries its exit code (zerotrain/errors.py)
-        print(f"error: {e}", file=sys.stderr)
+        report(e)  # printed once (rank 0) under torchrun; every rank's code and message reach the launcher
         return e.exit_code
+    finally:
+        ignore_stop_signals()  # the outcome is decided: a SIGTERM while Python tears down must not turn it into 143
 
 
 if __name__ == "__main__":

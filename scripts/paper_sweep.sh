@@ -75,46 +75,15 @@ NODES=${NODES:-${DEFAULT_NODES[$MODEL]}}
 GROUP=${GROUP:-paper-${MODEL//_/-}-$(date +%Y%m%d-%H%M%S)}
 [ -x "$ROOT/slurm/sweep.sh" ] || [ -f "$ROOT/slurm/sweep.sh" ] || die "slurm/sweep.sh is missing"
 
-PYTHON=${ZEROTRAIN_PYTHON:-$ROOT/.venv/bin/python}
-[ -x "$PYTHON" ] || PYTHON=python3
-
-if [ "$CHECK" = 1 ] && [ "$DRY_RUN" = 0 ]; then
-  # Fail here, not after four jobs waited in the queue: the overrides compose, and the checkpoint and data
-  # directories exist (as seen from this machine; --no-check if only the compute nodes see them).
-  (cd "$ROOT" && "$PYTHON" - "recipe=$RECIPE" "$@" <<'EOF'
-import sys
-from zerotrain.errors import ConfigError
-from zerotrain.run_config import parse_args
-from train import check_inputs
-try:
-    check_inputs(parse_args(sys.argv[1:]))
-except ConfigError as e:
-    sys.exit(f"paper_sweep.sh: pre-flight check failed (--no-check skips it): {e}")
-EOF
-  ) || exit 2
-fi
-
 SWEEP=(bash "$ROOT/slurm/sweep.sh" --group "$GROUP" --variants "${VARIANTS:-$PAPER_VARIANTS}")
 [ "$DRY_RUN" = 0 ] || SWEEP+=(--dry-run)
+# sweep.sh runs the pre-flight check (each variant's config composes; checkpoint and data directories exist, as
+# seen from this machine) before it submits anything.
+[ "$CHECK" = 1 ] || SWEEP+=(--no-check)
 SWEEP+=(--nodes="$NODES" --gpus-per-node=8 --ntasks-per-node=8 "${SBATCH_FLAGS[@]}" -- "$RECIPE" "$@")
 
-quote_commands() {  # sweep.sh --dry-run: NUL-separated argv, a newline after each command -> shell-quoted lines
-  local arg line cmd=()
-  while IFS= read -r -d '' arg || [ -n "$arg" ]; do
-    if [[ $arg == $'\n'* ]]; then
-      if [ ${#cmd[@]} -gt 0 ]; then line=$(printf '%q ' "${cmd[@]}"); echo "${line% }"; fi
-      cmd=()
-      arg=${arg#$'\n'}
-      [ -n "$arg" ] || continue
-    fi
-    cmd+=("$arg")
-  done
-  if [ ${#cmd[@]} -gt 0 ]; then line=$(printf '%q ' "${cmd[@]}"); echo "${line% }"; fi
-}
-
 if [ "$DRY_RUN" = 1 ]; then
-  "${SWEEP[@]}" | quote_commands
-  exit "${PIPESTATUS[0]}"
+  exec "${SWEEP[@]}"  # one shell-quoted sbatch command per line
 fi
 # slurm/sweep.sh resolves train.sbatch itself; the jobs run from the submit directory, i.e. the repository.
 cd "$ROOT"

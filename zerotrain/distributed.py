@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from zerotrain.errors import RendezvousError
 from zerotrain.fields import bounded
 
 
@@ -37,6 +38,11 @@ class ClusterConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Environment for the collective library (NCCL_SOCKET_IFNAME, ...), set before the process group is created;
     a variable already in the job's environment wins."""
+    init_timeout_s: float = bounded(300.0, ge=5, le=3600)
+    """How long a rank waits for the others while the process group forms (reaching rank 0, then every rank
+    joining) before it fails with a message instead of hanging: a rank that died during start-up. Rank 0's imports
+    on a cold shared file system can take minutes, hence not less by default. Collectives after start-up keep
+    torch's 30-minute timeout (a slow checkpoint save is not a hang). $ZEROTRAIN_RENDEZVOUS_TIMEOUT, if set, wins."""
 
 
 @dataclass(frozen=True)
@@ -73,18 +79,25 @@ def apply_environment(env: Mapping[str, str]) -> None:
         os.environ.setdefault(str(key), str(value))
 
 
-def init(timeout_minutes: float = 30.0) -> DistInfo:
-    """Create the world process group through DeepSpeed (gloo on the CPU, NCCL on GPUs)."""
+# After start-up, collectives keep torch's default for non-NCCL groups (and DeepSpeed's): a save on a slow file
+# system can hold the other ranks in a barrier for many minutes without anything being wrong.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def init(init_timeout_s: float = 300.0) -> DistInfo:
+    """Create the world process group through DeepSpeed (gloo on the CPU, NCCL on GPUs), failing within about
+    ``init_timeout_s`` (``cluster.init_timeout_s``) with a :class:`RendezvousError` when the ranks do not all join."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from zerotrain.launch.rendezvous import check_rendezvous
+    from zerotrain.launch.rendezvous import TIMEOUT_ENV, check_rendezvous, rank_and_node
     from zerotrain.launch.slurm import apply_slurm_env
 
     apply_slurm_env()
     if "RANK" not in os.environ:
         _single_process_env()
-    check_rendezvous()  # an unreachable rendezvous fails here, in bounded time, naming the node
+    timeout_s = float(os.environ.get(TIMEOUT_ENV) or init_timeout_s)
+    check_rendezvous(timeout_s=timeout_s)  # an unreachable rendezvous fails here, in bounded time, naming the node
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     accelerator = get_accelerator()
     quiet_deprecated_collectives()
@@ -93,11 +106,19 @@ def init(timeout_minutes: float = 30.0) -> DistInfo:
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
     if not dist.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend=accelerator.communication_backend_name(),
-            auto_mpi_discovery=False,
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+        try:
+            deepspeed.init_distributed(
+                dist_backend=accelerator.communication_backend_name(),
+                auto_mpi_discovery=False,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except dist.DistError as e:  # the store timed out waiting for a rank (or lost one) while the group formed
+            raise RendezvousError(
+                f"{rank_and_node(os.environ)}: the process group did not form within {timeout_s:g} s "
+                f"(cluster.init_timeout_s): a rank died or hangs in its start-up; its log says which and why "
+                f"(under srun: the 'task N' srun reports as exited). torch: {str(e).splitlines()[0]}"
+            ) from None
+        dist.distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)  # the start-up bound is not a collective bound
     return DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

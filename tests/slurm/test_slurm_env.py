@@ -2,6 +2,8 @@
 
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,8 +183,8 @@ def test_srun_line_for_4_nodes_x_8_gpus_passes_overrides_unchanged():
     overrides = ["train.steps=2000", "wandb.tags=[hpz, 4 nodes]", "run.name=it's $HOME `x`", "optim.lr=1e-5"]
     argv, env = render_launch(ALLOCATION_4X8, "llama2_7b", *overrides)
     assert argv == [
-        "srun", "--nodes=4", "--ntasks=32", "--ntasks-per-node=8", "--distribution=block", "--kill-on-bad-exit=0",
-        f"--output={REPO}/logs/zerotrain-123456/rank-%t.out", "--open-mode=append",
+        "srun", "--nodes=4", "--ntasks=32", "--ntasks-per-node=8", "--distribution=block", "--kill-on-bad-exit=1",
+        "--wait=120", f"--output={REPO}/logs/zerotrain-123456/rank-%t.out", "--open-mode=append",
         "/opt/env/bin/python", "-u", "train.py", "recipe=llama2_7b", *overrides,
     ]  # fmt: skip
     assert env == {
@@ -206,3 +208,53 @@ def test_cpu_job_takes_tasks_per_node_from_slurm_and_uses_cpu_accelerator():
     assert argv[1:4] == ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
     assert argv[-2:] == ["recipe=tiny_llama", "zero.zero_hpz_partition_size=2"]
     assert env["DS_ACCELERATOR"] == "cpu" and env["OMP_NUM_THREADS"] == "2"
+
+
+# ---- before srun: the time limit against the warning's lead, and the interpreter ---------------------------------
+
+
+def test_time_limit_shorter_than_the_signal_lead_plus_startup_is_warned_about():
+    def stderr_for(seconds_left: int, **extra: str) -> str:
+        allocation = {**ALLOCATION_4X8, "SLURM_JOB_END_TIME": str(int(time.time()) + seconds_left), **extra}
+        env = {"PATH": os.environ["PATH"], "SLURM_SUBMIT_DIR": str(REPO), "ZEROTRAIN_DRY_RUN": "1", **allocation}
+        return subprocess.run(["bash", str(SBATCH), "llama2_7b"], env=env, cwd=REPO, capture_output=True, text=True,
+                              check=True).stderr
+
+    short = stderr_for(600)  # a newcomer's --time=10: the USR1 comes at once
+    assert "warning: the job's time limit is" in short and "--signal=B:USR1@600" in short
+    assert "Ask for --time=25 (minutes) or more" in short
+    assert stderr_for(2 * 3600) == ""  # the control: a limit well past lead + margin says nothing
+    assert stderr_for(600, ZEROTRAIN_SIGNAL_LEAD="120") == ""  # a shorter lead, declared, fits in 10 minutes
+
+
+def run_batch_script(tmp_path: Path, python: str) -> tuple[subprocess.CompletedProcess, list[str] | None]:
+    """The real train.sbatch, not a dry run, in a fake CPU allocation, with a recording srun on PATH."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "srun-argv"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(f'#!/bin/bash\nprintf "%s\\0" "$@" > "{calls}"\n')
+    (bin_dir / "srun").chmod(0o755)
+    allocation = {"SLURM_JOB_ID": "88", "SLURM_JOB_NAME": "t", "SLURM_JOB_NUM_NODES": "1",
+                  "SLURM_TASKS_PER_NODE": "2", "SLURM_CPUS_ON_NODE": "2", "ZEROTRAIN_PYTHON": python}
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "ZEROTRAIN_ROOT": str(REPO),
+           **allocation}
+    result = subprocess.run(["bash", str(SBATCH), "tiny_llama"], env=env, cwd=tmp_path, capture_output=True,
+                            text=True, check=False, timeout=60)
+    argv = calls.read_text().rstrip("\0").split("\0") if calls.exists() else None
+    return result, argv
+
+
+def test_an_interpreter_without_the_packages_is_refused_before_srun(tmp_path):
+    result, argv = run_batch_script(tmp_path, "/usr/bin/python3")  # the system Python: no torch, no DeepSpeed
+    if result.returncode == 0:
+        pytest.skip("/usr/bin/python3 has the training packages here")
+    assert result.returncode == 2 and argv is None, result.stderr
+    assert "interpreter '/usr/bin/python3' (ZEROTRAIN_PYTHON) cannot import:" in result.stderr
+    assert "torch" in result.stderr and "export ZEROTRAIN_PYTHON=<env>/bin/python" in result.stderr
+
+    result, argv = run_batch_script(tmp_path, str(tmp_path / "no-such-python"))
+    assert result.returncode == 2 and argv is None and "not found or not executable" in result.stderr
+
+    # The control: the project's interpreter passes, and srun gets the task line.
+    result, argv = run_batch_script(tmp_path, sys.executable)
+    assert result.returncode == 0, result.stderr
+    assert argv[:3] == ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2"] and sys.executable in argv

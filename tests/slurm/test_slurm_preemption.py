@@ -104,3 +104,24 @@ def test_a_run_terminated_by_sigterm_saves_and_does_not_claim_a_requeue(tmp_path
     assert "terminated (SIGTERM): checkpoint saved at step 2, not requeued" in out, out[-2000:]
     assert "exiting for requeue" not in out
     assert (tmp_path / "term" / "checkpoints" / "latest").read_text() == "step_00000002"
+
+
+def test_a_signal_recorded_during_startup_is_taken_over_by_the_handler(capfd):
+    """train.py's first-lines handler records the signal; the trainer's handler, installed later, keeps it."""
+    from zerotrain.launch.preemption import install_early_handlers
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        install_early_handlers()
+        os.kill(os.getpid(), signal.SIGUSR1)  # the process is still alive: the default action would have killed it
+        os.kill(os.getpid(), signal.SIGTERM)
+        handler = PreemptionHandler()
+        assert handler.received == signal.SIGUSR1 and handler.should_stop()
+        err = capfd.readouterr().err
+        assert "SIGUSR1 received during start-up" in err and "a stop is already pending: ignored" in err
+        assert "SIGUSR1 from start-up still pending" in err
+        handler.uninstall()
+        assert not PreemptionHandler(install=True).requested  # taken once: a later handler starts clean
+    finally:
+        for sig, previous in before.items():
+            signal.signal(sig, previous)

@@ -16,6 +16,13 @@ USR1 to every task) and sends SIGTERM on cancellation or preemption. The protoco
 
 A second signal while stopping (e.g. SIGTERM from ``scancel`` during the save) is logged and ignored: the save
 finishes if SLURM's KillWait allows, and SIGKILL ends it otherwise.
+
+Start-up: importing torch, transformers and DeepSpeed takes seconds to minutes, and until a handler exists
+SIGUSR1's default action kills the task (exit 138, no checkpoint, no requeue). With a short ``--time`` SLURM's
+warning comes at once. So ``train.py`` calls :func:`install_early_handlers` on its first lines, before any heavy
+import: a handler that only records the signal. The trainer's :class:`PreemptionHandler` takes the record over
+when it installs its own, so a signal that arrived during start-up is not lost: the run stops (checkpoint, exit 75)
+at its first step boundary.
 """
 
 from __future__ import annotations
@@ -34,10 +41,41 @@ REQUEUE_EXIT_CODE = EXIT_REQUEUE
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
+_early_received: int | None = None  # the first signal the start-up handler recorded
+
 
 def _say(message: str) -> None:
     # os.write, not print/logging: a handler may interrupt a print holding the stream's lock.
     os.write(2, f"[zerotrain.preemption pid {os.getpid()}] {message}\n".encode())
+
+
+def _on_early_signal(signum: int, frame: FrameType | None) -> None:
+    global _early_received
+    name = signal.Signals(signum).name
+    if _early_received is None:
+        _early_received = signum
+        _say(f"{name} received during start-up: will checkpoint and exit at the first step boundary")
+    else:
+        _say(f"{name} received during start-up, a stop is already pending: ignored")
+
+
+def install_early_handlers(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+    """Record (only record) SIGUSR1/SIGTERM from the first line of the program until the trainer's handler exists;
+    :class:`PreemptionHandler` adopts what was recorded. Call from the main thread, before heavy imports."""
+    for sig in signals:
+        signal.signal(sig, _on_early_signal)
+
+
+def ignore_stop_signals(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+    """On the way out, once the run's outcome is decided: ignore SIGUSR1/SIGTERM from here on.
+
+    ``srun --kill-on-bad-exit`` sends SIGTERM to the other tasks as soon as the first one exits non-zero (75 after a
+    preemption checkpoint: every rank is leaving with the same code). Python gives back the default action of every
+    signal it handled when it finalizes, so a SIGTERM during that teardown would end the task with 143 instead of
+    its code, and the job would not be requeued; an ignored signal stays ignored through finalization.
+    """
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class PreemptionHandler:
@@ -64,7 +102,18 @@ class PreemptionHandler:
             if sig in self._previous:
                 continue
             self._previous[sig] = signal.signal(sig, self._on_signal)
+            if self._previous[sig] is _on_early_signal:
+                self._adopt_early_signal()
         return self
+
+    def _adopt_early_signal(self) -> None:
+        """Take over a signal recorded by the start-up handler: the stop it asked for is still pending."""
+        global _early_received
+        if _early_received is not None and self.received is None:
+            self.received = _early_received
+            _say(f"{signal.Signals(_early_received).name} from start-up still pending: will checkpoint and exit at "
+                 "the first step boundary")
+        _early_received = None
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():

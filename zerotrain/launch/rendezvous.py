@@ -29,7 +29,7 @@ DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "ZEROTRAIN_RENDEZVOUS_TIMEOUT"
 
 
-def _where(environ: Mapping[str, str]) -> str:
+def rank_and_node(environ: Mapping[str, str]) -> str:
     node = environ.get("SLURMD_NODENAME") or socket.gethostname()
     return f"rank {environ.get('RANK', '?')} on node {node}"
 
@@ -94,7 +94,8 @@ def _hints(host: str, port: int) -> str:
         f"(not 127.x unless all ranks run on one machine); "
         f"(3) no firewall blocks TCP port {port} between the nodes; "
         f"(4) the socket interface settings (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME in the cluster config) name "
-        f"an interface that exists on every node. Set {TIMEOUT_ENV} to wait longer for a slow-starting rank 0."
+        f"an interface that exists on every node. Raise cluster.init_timeout_s (or set {TIMEOUT_ENV}) to wait longer "
+        f"for a slow-starting rank 0."
     )
 
 
@@ -104,7 +105,7 @@ def check_rendezvous(environ: Mapping[str, str] = os.environ, timeout_s: float |
     Raises :class:`RendezvousError` within about ``timeout_s`` seconds (default 300, or $ZEROTRAIN_RENDEZVOUS_TIMEOUT).
     """
     timeout = _timeout(environ, timeout_s)
-    where = _where(environ)
+    where = rank_and_node(environ)
     host, port_text = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
     if not host or not port_text:
         raise RendezvousError(

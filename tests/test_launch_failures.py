@@ -1,0 +1,152 @@
+"""How a run ends when something goes wrong at launch: a signal during start-up, a user error on every rank, a rank
+killed during start-up, a rank that never joins. Real train.py, real torchrun, real processes and signals.
+
+* A SIGUSR1 (SLURM's time-limit warning) during the heavy imports is recorded by the handler train.py installs on
+  its first lines, and the run checkpoints at its first step and exits 75 for a requeue (the negative control, the
+  same train.py without those lines, dies of the signal: exit 138 in a shell).
+* Under ``python -m zerotrain.launch.torchrun`` the run exits with the failed rank's code (2, 75, 128+n), a user
+  error is printed once, and a rank killed during start-up is named (plain torchrun: exit 1 for all of them).
+* A rank whose peer never joins fails after ``cluster.init_timeout_s`` with a message instead of hanging.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from processes import Signaller
+
+from tools.launcher import PYTHON, REPO, LaunchTimeout, free_port, run
+
+TINY = ["recipe=tiny_llama", "train.log_interval=1", "train.eval_interval=0", "wandb.enabled=false",
+        "checkpoint.interval=100", "zero.zero_hpz_partition_size=1"]
+WRAPPER = [PYTHON, "-m", "zerotrain.launch.torchrun", "--standalone"]
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
+
+
+def marked() -> tuple[str, dict[str, str]]:
+    """A variable for the launch's environment, and the ``NAME=value`` that finds its processes."""
+    value = uuid.uuid4().hex
+    return f"ZT_TEST_MARKER={value}", {"ZT_TEST_MARKER": value}
+
+
+# ---- a signal during start-up --------------------------------------------------------------------------------------
+
+
+def test_sigusr1_during_startup_is_kept_and_the_run_checkpoints_and_exits_for_requeue(shakespeare, tmp_path):
+    args = [*TINY, "train.steps=5", f"data.train.0.path={shakespeare}", f"run.output_dir={tmp_path}", "run.name=r"]
+    marker, env = marked()
+    signaller = Signaller(marker, 0, signal.SIGUSR1)
+    proc = run([PYTHON, "train.py", *args], env=env, check=False, timeout=900)
+    signaller.result()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 75, out[-3000:]
+    assert "SIGUSR1 received during start-up" in out and "SIGUSR1 from start-up still pending" in out
+    assert "preempted at step 1: checkpoint saved" in out
+    assert (tmp_path / "r" / "checkpoints" / "latest").read_text() == "step_00000001"
+
+
+def test_negative_control_without_the_early_handler_sigusr1_kills_the_task(tmp_path):
+    """The same launch and signal, train.py without its first-lines handler: the default action ends the task."""
+    source = (REPO / "train.py").read_text()
+    assert "    install_early_handlers()\n" in source
+    unprotected = tmp_path / "train.py"
+    unprotected.write_text(source.replace("    install_early_handlers()\n", "    pass\n"))
+    marker, env = marked()
+    signaller = Signaller(marker, 0, signal.SIGUSR1)
+    proc = run([PYTHON, str(unprotected), "recipe=tiny_llama"], env=env, check=False, timeout=300)
+    signaller.result()
+    assert proc.returncode == -signal.SIGUSR1  # a shell (and SLURM) reports 138
+
+
+# ---- exit codes and messages under torchrun ----------------------------------------------------------------------
+
+
+def test_user_error_under_torchrun_exits_2_and_is_printed_once():
+    args = ["--nproc_per_node=2", "train.py", "recipe=tiny_llama", "optim.lr=-1"]
+    proc = run([*WRAPPER, *args], check=False, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count("optim.lr=-1.0 is out of range") == 1, out[-3000:]
+    assert "exit code 2" in proc.stderr
+
+    # Negative control: plain torchrun loses the code.
+    plain = run([*TORCHRUN, *args], check=False, timeout=600)
+    assert plain.returncode == 1
+
+
+def test_rank_killed_during_startup_is_named_and_ends_the_run():
+    marker, env = marked()
+    signaller = Signaller(marker, 1, signal.SIGKILL)
+    proc = run([*WRAPPER, "--nproc_per_node=2", "train.py", "recipe=tiny_llama"], env=env, check=False, timeout=600)
+    ended = time.monotonic() - signaller.result()
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
+    assert "rank 1 (local rank 1, pid" in proc.stderr and "was killed by SIGKILL" in proc.stderr
+    assert ended < 60, f"the run took {ended:.0f} s to end after rank 1 died"
+
+
+def test_rank_killed_during_a_step_is_named_and_ends_the_run(shakespeare, tmp_path):
+    marker, env = marked()
+    metrics = tmp_path / "s" / "metrics.jsonl"
+    signaller = Signaller(marker, 1, signal.SIGKILL, ready=lambda _pid: metrics.exists() and metrics.read_text())
+    args = [*TINY, "train.steps=200", f"data.train.0.path={shakespeare}", f"run.output_dir={tmp_path}", "run.name=s"]
+    proc = run([*WRAPPER, "--nproc_per_node=2", "train.py", *args], env=env, check=False, timeout=900)
+    ended = time.monotonic() - signaller.result()
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
+    assert "rank 1 (local rank 1, pid" in proc.stderr and "was killed by SIGKILL" in proc.stderr
+    assert ended < 60, f"the run took {ended:.0f} s to end after rank 1 died"
+
+
+# ---- a rank that never joins -------------------------------------------------------------------------------------
+
+
+def lone_rank_zero(tmp_path: Path, *args: str, timeout: float):
+    """Rank 0 of a world of 2 whose rank 1 never starts (as if killed before it joined)."""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "manifest.json").write_text("{}")  # train.py's input check; the process group is formed before data
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    return run([PYTHON, "train.py", "recipe=tiny_llama", f"data.train.0.path={data}", f"run.output_dir={tmp_path}",
+                *args], env=env, check=False, timeout=timeout)
+
+
+def test_a_rank_that_never_joins_fails_after_the_init_timeout(tmp_path):
+    started = time.monotonic()
+    proc = lone_rank_zero(tmp_path, "cluster.init_timeout_s=5", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "rank 0 on node" in proc.stderr and "the process group did not form within 5 s" in proc.stderr
+    assert "cluster.init_timeout_s" in proc.stderr and "Traceback" not in proc.stderr
+    failed_after = time.monotonic() - started
+    assert failed_after < 120
+
+    # Negative control: with the default (300 s) the same rank is still waiting well past the moment it failed above.
+    with pytest.raises(LaunchTimeout):
+        lone_rank_zero(tmp_path, timeout=failed_after + 15)
+
+
+# ---- the record torchrun reads back (no processes) ---------------------------------------------------------------
+
+
+def test_error_file_round_trip_through_torchruns_own_reader(tmp_path, monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from zerotrain.errors import ConfigError
+    from zerotrain.launch.failures import failure_from_torchrun, first_failure, report
+
+    failures = []
+    for rank in (1, 0):
+        path = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        monkeypatch.setenv("RANK", str(rank))
+        report(ConfigError("optim.lr=-1.0 is out of range"))
+        failures.append(failure_from_torchrun(rank, ProcessFailure(rank, 100 + rank, 2, str(path))))
+    assert capsys.readouterr().err.count("error: optim.lr=-1.0 is out of range") == 1  # rank 0 only
+    first = first_failure(failures)
+    assert first.rank == 1 and first.exit_code == 2 and first.message == "optim.lr=-1.0 is out of range"
+
+    killed = failure_from_torchrun(3, ProcessFailure(3, 7, -signal.SIGKILL, str(tmp_path / "none.json")))
+    assert killed.exit_code == 137 and "rank 3 (local rank 3, pid 7) was killed by SIGKILL" in killed.describe()
