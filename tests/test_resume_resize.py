@@ -86,7 +86,7 @@ def resized(reference, tmp_path_factory, shakespeare):
 
 @pytest.fixture(scope="module")
 def unrepaired(reference, tmp_path_factory, shakespeare):
-    """The same resume with checkpoint_convert.repair_universal_load switched off."""
+    """The same resume with zerotrain.universal_load.repair switched off."""
     return _resume_on_two(reference, tmp_path_factory.mktemp("runs") / "two", shakespeare,
                           script="tests/workers/resume_unrepaired.py")
 

@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 import torch
 
-from zerotrain import durable
+from zerotrain import durable, universal_load
 from zerotrain.distributed import all_agree, barrier, gather_objects, min_over_ranks
 from zerotrain.errors import CheckpointError
 from zerotrain.fields import bounded
@@ -469,9 +469,7 @@ def load(engine, root: Path, rank: int, world_size: int, verify: bool = True
     if path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint in {load_dir / tag}")
     if engine.load_universal_checkpoint():
-        from zerotrain.checkpoint_convert import repair_universal_load  # it imports this module
-
-        repair_universal_load(engine, universal_dir(root, tag))
+        universal_load.repair(engine, universal_dir(root, tag))
     try:
         rank_state = torch.load(rank_file, weights_only=False)
     except Exception as e:
