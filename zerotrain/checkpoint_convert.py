@@ -20,16 +20,19 @@ builds anything:
    (``checkpoint.convert_on_resize=false`` refuses instead, naming the command above). The other ranks wait by
    polling a one-integer all-reduce, so a conversion longer than the collective timeout is not an error;
 4. it returns True, the trainer adds ``load_universal`` to the DeepSpeed config, and :func:`zerotrain.checkpoint.load`
-   reads the copy (each rank checking the CRC32 of its share of the copy's files).
+   reads the copy (each rank checking the CRC32 of its share of the copy's files), then
+   :func:`zerotrain.universal_load.repair` undoes two defects of DeepSpeed's load of it.
 
 What carries over: the weights, Adam moments and step counts, the learning-rate schedule (DeepSpeed's files); step,
 tokens and the W&B run id (``meta.json``); the data position: the loader's state counts the samples of all ranks
 together and the sample order does not depend on the world size (:mod:`zerotrain.data.loader`), so it is the same
-on every rank and serves every rank of the new world; the RNG states: every rank is seeded alike and draws alike,
-so they are the same on every rank too. The conversion checks both (differing loader states are refused; whether
-the RNG states agreed is recorded) and every new rank takes old rank 0's. What changes is the order of summation
-(another split of each step's micro-batches over ranks, other partition boundaries), so the loss curve continues
-within float tolerance, not bitwise; ``tests/test_resume_resize.py`` measures it.
+on every rank and serves every rank of the new world. The RNG states are per rank (on the tiny Llama they differ between
+ranks) and do not map onto another world: every new rank takes old rank 0's, which
+changes nothing while no model draws random numbers in training (dropout is 0 in every shipped one). The conversion
+checks the loader states agree (a checkpoint whose ranks differ is refused) and records whether the RNG states did.
+What changes is the order of summation (another split of each step's micro-batches over ranks, other partition
+boundaries), so the loss curve continues within float tolerance, not bitwise; ``tests/test_resume_resize.py``
+measures it.
 
 hpZ is not part of a checkpoint: its secondary shards are rebuilt from the primary partitions by the first forward
 pass, and ``zero_hpz_partition_size`` is resolved against the new world's node layout (it must divide the new ranks
