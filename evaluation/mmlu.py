@@ -7,6 +7,11 @@
 Under torchrun every rank loads the whole model and scores a share of the
 questions; the result is identical to a one-process run. Rank 0 writes the JSON
 report and prints the table. See evaluation/README.md.
+
+A model no single device holds (Llama-2-70B: 140 GB in bf16) is partitioned over
+the ranks with DeepSpeed ZeRO-3 instead, each rank holding 1/N of every weight:
+
+    torchrun --nproc_per_node 8 evaluation/mmlu.py --zero3 --dtype bf16 --checkpoint /models/Llama-2-70b-hf
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zerotrain import distributed
 from zerotrain.data.tokenizer import TransformersTokenizer
 from zerotrain.evaluation import (
     EvaluationError,
@@ -29,7 +35,9 @@ from zerotrain.evaluation import (
     load_hf_export,
     load_mmlu,
     model_max_length,
+    resolve_checkpoint,
 )
+from zerotrain.evaluation.zero3_inference import Zero3Model, export_dtype
 
 logger = logging.getLogger("evaluation.mmlu")
 DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -55,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
                    help="prepend BOS to every prompt: auto = as the tokenizer does by default")
     p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
+    p.add_argument("--zero3", action="store_true",
+                   help="partition the weights over the ranks with DeepSpeed ZeRO-3 (rank 0 reads the files), for "
+                        "models one device cannot hold; same scores as without. The device is DeepSpeed's "
+                        "accelerator (--device is not used)")
     p.add_argument("--output", type=Path, default=None, help="JSON report path")
     p.add_argument("--no-per-question", action="store_true", help="leave per-question scores out of the JSON")
     return p.parse_args(argv)
@@ -74,15 +86,35 @@ def setup_distributed(device_arg: str | None) -> tuple[int, torch.device]:
     return (dist.get_rank() if dist.is_initialized() else 0), device
 
 
+def load_partitioned(checkpoint: str, dtype_name: str) -> tuple[Zero3Model, object, torch.device]:
+    """(the ZeRO-3 holder of the model, its tokenizer, the device to evaluate on), on every rank."""
+    from deepspeed.accelerator import get_accelerator
+    from transformers import AutoTokenizer
+
+    export = resolve_checkpoint(checkpoint)
+    dtype = export_dtype(export) if dtype_name == "auto" else DTYPES[dtype_name]
+    holder = Zero3Model(export, dtype)
+    logger.info("ZeRO-3: %s partitioned over %d ranks (%.1f%% of the weights on each), %s",
+                export, dist.get_world_size(), 100 * holder.local_fraction, dtype)
+    return holder, AutoTokenizer.from_pretrained(export), torch.device(get_accelerator().current_device_name())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, device = setup_distributed(args.device)
+    if args.zero3:
+        rank, device = distributed.init().rank, None  # DeepSpeed's process group; the device comes with the model
+    else:
+        rank, device = setup_distributed(args.device)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         data = load_mmlu(args.data, subjects=args.subjects, limit_per_subject=args.limit_per_subject,
                          shots=args.shots, eval_split=args.split, no_dev_split=args.no_dev_split)
-        model, tokenizer = load_hf_export(args.checkpoint, dtype=DTYPES[args.dtype], device=device)
+        if args.zero3:
+            holder, tokenizer, device = load_partitioned(args.checkpoint, args.dtype)
+            model = holder.model
+        else:
+            model, tokenizer = load_hf_export(args.checkpoint, dtype=DTYPES[args.dtype], device=device)
         max_length = args.max_length or model_max_length(model)
         logger.info("%d questions, %d subjects, %d-shot, max_length %d, batch %d",
                     len(data.questions), len(data.subjects), args.shots, max_length, args.batch_size)

@@ -99,3 +99,21 @@ def test_a_config_saved_under_an_older_schema_is_compared_on_the_keys_both_have(
     check_resumable(parse_args([*args, "train.steps=99"]), Path("/runs/r/checkpoints/step_00000002"), saved)
     with pytest.raises(ConfigError, match=r"cannot change on resume: train\.seq_len: 128 -> 64\. Nothing was"):
         check_resumable(parse_args([*args, "train.seq_len=64"]), Path("/runs/r/checkpoints/step_00000002"), saved)
+
+
+def test_the_batch_split_may_change_on_resume_only_when_the_global_batch_stays(monkeypatch):
+    """4 ranks x grad_accum 1 saved; relaunched on 2 ranks the split must change (grad_accum 2), and may."""
+    from zerotrain import config
+    from zerotrain.errors import CheckpointError, ConfigError
+    from zerotrain.run_config import parse_args
+    from zerotrain.run_dir import check_resumable
+
+    args = ["recipe=tiny_llama", "data.train.0.path=/data", "train.micro_batch_size=2", "train.grad_accum=1"]
+    saved, tag = config.to_yaml(parse_args(args)), Path("/runs/r/checkpoints/step_00000004")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_resumable(parse_args([*args, "train.grad_accum=2"]), tag, saved, saved_world_size=4)
+    with pytest.raises(CheckpointError, match=r"global batch of 8 sequences.*relaunch with train\.grad_accum=2"):
+        check_resumable(parse_args([*args, "train.grad_accum=3"]), tag, saved, saved_world_size=4)
+    # Without the checkpoint's world size (the control) a changed split is an ordinary refused key.
+    with pytest.raises(ConfigError, match=r"train\.grad_accum: 1 -> 2"):
+        check_resumable(parse_args([*args, "train.grad_accum=2"]), tag, saved)

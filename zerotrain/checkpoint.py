@@ -22,6 +22,17 @@ A partial directory left by a kill is removed by the next save. On load, the fil
 first (presence, size, and the CRC32 of the files this rank reads), so a truncated, missing or bit-flipped file is
 reported by name instead of deep inside DeepSpeed or, worse, not at all.
 
+Resuming on a different number of ranks goes through DeepSpeed's *universal* checkpoint, a copy with one file per
+parameter and state that any world size can read (:mod:`zerotrain.checkpoint_convert` makes it and decides, before
+the engine is built, whether it is needed)::
+
+    universal/step_00000100/     the universal copy of step_00000100 (never inside a directory ``latest`` names;
+        zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt, ...   written to universal/.step_00000100.partial and renamed)
+        zerotrain/meta.json      step_00000100's metadata, with the CRC32 of every file of the copy
+        zerotrain/rank_state.pt  the RNG and data-loader state every rank of the new world takes
+
+The next checkpoint saved removes ``universal/``: it served the one resume that needed it.
+
 The ``checkpoint`` section of the run config (:class:`CheckpointConfig`) is declared here.
 """
 
@@ -40,7 +51,7 @@ from typing import Any, Optional
 
 import torch
 
-from zerotrain import durable
+from zerotrain import durable, universal_load
 from zerotrain.distributed import all_agree, barrier, gather_objects, min_over_ranks
 from zerotrain.errors import CheckpointError
 from zerotrain.fields import bounded
@@ -50,6 +61,8 @@ log = logging.getLogger("zerotrain")
 LATEST = "latest"
 OURS = "zerotrain"
 PARTIAL = ".partial"  # suffix of a checkpoint directory being written
+UNIVERSAL = "universal"  # <root>/universal/<tag>: the universal copy of <root>/<tag> (see the module docstring)
+RANK_STATE = "rank_state.pt"  # in a universal copy: the one per-rank state (RNG, loader) every new rank takes
 
 
 class LowSpacePolicy(StrEnum):
@@ -77,6 +90,10 @@ class CheckpointConfig:
     verify: bool = True
     """On resume, check the CRC32 recorded for each file as it was written (each rank reads back the files it
     loads: about 2 GB/s); false skips the check."""
+    convert_on_resize: bool = True
+    """On resume with a different number of ranks, convert the latest checkpoint once to DeepSpeed's universal
+    format (rank 0, before the model is built) and resume from that; false refuses, naming the command that converts
+    it beforehand (python -m zerotrain.checkpoint_convert <run dir>). The global batch must stay the same."""
 
     def save_due(self, step: int, last_step: int) -> bool:
         """Whether step ``step`` ends with a periodic checkpoint (the last step's is save_final's)."""
@@ -97,6 +114,11 @@ def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def universal_dir(root: Path, tag: str) -> Path:
+    """Where the universal copy of checkpoint ``<root>/<tag>`` lives."""
+    return root / UNIVERSAL / tag
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Which rank owns which file
 # ----------------------------------------------------------------------------------------------------------------
@@ -114,8 +136,18 @@ def file_owner(name: str) -> int:
     return int(match.group(1) or match.group(2))
 
 
-def _files_of(rank: int, names) -> list[str]:
-    return [name for name in names if file_owner(name) == rank]
+def files_to_verify(meta: dict[str, Any], rank: int, world_size: Optional[int] = None) -> list[str]:
+    """The files whose CRC32 ``rank`` checks on resume, so that together the ranks check each file once.
+
+    A checkpoint of the same world: the files that rank wrote and reads. Another world size (``world_size`` given):
+    old rank ``r``'s files go to new rank ``r % world_size``. A universal copy, which every rank reads whole: its
+    files in turn."""
+    names = sorted(meta.get("files", {}))
+    if meta.get("universal"):
+        return names[rank::world_size or 1]
+    if world_size is None:
+        return [name for name in names if file_owner(name) == rank]
+    return [name for name in names if file_owner(name) % world_size == rank]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,6 +325,9 @@ def _publish(root: Path, tag: str, partial: Path, state: TrainState, world_size:
     durable.fsync_path(partial)
     durable.replace_dir(partial, root / tag)
     durable.atomic_write_text(root / LATEST, tag)
+    # A universal copy served the one resume on another world size that needed it; from here on latest is a
+    # checkpoint of this world, and the copy (about 12 bytes per parameter) would only fill the disk.
+    shutil.rmtree(root / UNIVERSAL, ignore_errors=True)
     _prune(root, keep_last, protect=tag)
 
 
@@ -350,9 +385,10 @@ def _others(tag_dir: Path) -> str:
     return f"Other complete checkpoints: {', '.join(others)}" if others else "There is no other complete checkpoint"
 
 
-def read_meta(tag_dir: Path, verify_rank: Optional[int] = None) -> dict[str, Any]:
+def read_meta(tag_dir: Path, verify_rank: Optional[int] = None, world_size: Optional[int] = None) -> dict[str, Any]:
     """Read and integrity-check a checkpoint's metadata: every listed file present with its recorded size, and, for
-    ``verify_rank`` (the files that rank reads on resume), its recorded CRC32."""
+    ``verify_rank``, the recorded CRC32 of its share of the files (:func:`files_to_verify`; ``world_size``: the
+    world resuming, when it differs from the one that saved)."""
     if not tag_dir.is_dir():
         raise CheckpointError(
             f"{tag_dir.parent / LATEST} names {tag_dir.name}, but {tag_dir} does not exist (deleted or moved?). "
@@ -378,43 +414,62 @@ def read_meta(tag_dir: Path, verify_rank: Optional[int] = None) -> dict[str, Any
             raise CheckpointError(f"checkpoint file {path} is corrupt: {path.stat().st_size} bytes, {size} were "
                                   f"written. {_others(tag_dir)}")
     if verify_rank is not None:
-        for name in _files_of(verify_rank, files):
+        for name in files_to_verify(meta, verify_rank, world_size):
             _, crc = _entry(files[name])
             if crc is not None and durable.file_crc32(tag_dir / name) != crc:
+                source = tag_dir.parent.parent / tag_dir.name  # <root>/universal/<tag> -> <root>/<tag>
+                remedy = (f"Delete {tag_dir} and relaunch: it is converted again from {source}"
+                          if meta.get("universal") else _others(tag_dir))
                 raise CheckpointError(
                     f"checkpoint file {tag_dir / name} is corrupt: its CRC32 differs from the one recorded when it "
-                    f"was written (a flipped bit on disk, or a damaged copy). {_others(tag_dir)}")
+                    f"was written (a flipped bit on disk, or a damaged copy). {remedy}")
+    return meta
+
+
+def read_meta_on_all_ranks(tag_dir: Path, rank: int, world_size: int, verify: bool) -> dict[str, Any]:
+    """Collective :func:`read_meta`: each rank checks its share of the files; all ranks learn whether any failed."""
+    error: Optional[CheckpointError] = None
+    meta: dict[str, Any] = {}
+    try:
+        meta = read_meta(tag_dir, verify_rank=rank if verify else None, world_size=world_size)
+    except CheckpointError as e:
+        error = e
+    if not all_agree(error is None):
+        raise error or CheckpointError(f"checkpoint {tag_dir} failed verification on another rank (see its message)")
     return meta
 
 
 def load(engine, root: Path, rank: int, world_size: int, verify: bool = True
          ) -> Optional[tuple[TrainState, dict[str, Any]]]:
-    """Collective: resume from ``latest`` if there is one. Returns (state, this rank's state) or None."""
+    """Collective: resume from ``latest`` if there is one. Returns (state, this rank's state) or None.
+
+    A checkpoint of another world size is read from its universal copy, which
+    :func:`zerotrain.checkpoint_convert.prepare_resume` made before the engine was built (and told DeepSpeed to
+    expect)."""
     tag = latest_tag(root)
     if tag is None:
         return None
     tag_dir = root / tag
-    error: Optional[CheckpointError] = None
-    try:  # each rank checks the files it will read; all ranks learn whether any failed
-        meta = read_meta(tag_dir, verify_rank=rank if verify else None)
-    except CheckpointError as e:
-        error = e
-    if not all_agree(error is None):
-        raise error or CheckpointError(f"checkpoint {tag_dir} failed verification on another rank (see its message)")
-    if meta["world_size"] != world_size:
-        raise CheckpointError(
-            f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has {world_size}: ZeRO-3 "
-            f"partitions are per rank. Relaunch with {meta['world_size']} ranks, or convert with DeepSpeed's "
-            f"zero_to_fp32.py and fine-tune from the export (model.pretrained_path)."
-        )
+    if engine.load_universal_checkpoint():
+        meta = read_meta_on_all_ranks(universal_dir(root, tag), rank, world_size, verify)
+        load_dir, rank_file = root / UNIVERSAL, universal_dir(root, tag) / OURS / RANK_STATE
+    else:
+        meta = read_meta_on_all_ranks(tag_dir, rank, world_size, verify)
+        if meta["world_size"] != world_size:
+            raise CheckpointError(
+                f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has {world_size}, and "
+                f"the engine was not built to read a universal checkpoint (zerotrain.checkpoint_convert."
+                f"prepare_resume decides that before deepspeed.initialize)")
+        load_dir, rank_file = root, tag_dir / OURS / f"rank_{rank:05d}.pt"
     try:
-        path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+        path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     except Exception as e:  # DeepSpeed raises many types for unreadable files; name the checkpoint instead
-        raise CheckpointError(f"could not load DeepSpeed checkpoint {tag_dir}: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"could not load DeepSpeed checkpoint {load_dir / tag}: {type(e).__name__}: {e}") from e
     if path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint in {tag_dir}")
-    rank_file = tag_dir / OURS / f"rank_{rank:05d}.pt"
+        raise CheckpointError(f"DeepSpeed found no checkpoint in {load_dir / tag}")
+    if engine.load_universal_checkpoint():
+        universal_load.repair(engine, universal_dir(root, tag))
     try:
         rank_state = torch.load(rank_file, weights_only=False)
     except Exception as e:

@@ -32,6 +32,16 @@ MAY_CHANGE_ON_RESUME = (
 )
 
 
+# The split of the global batch may change with the number of ranks (a resume on fewer ranks after losing a node),
+# as long as the global batch itself stays the checkpoint's: zerotrain.checkpoint_convert checks that, naming the fix.
+BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.grad_accum")
+
+
+def _launched_world_size() -> int:
+    """The number of ranks this launch will have, before any process group exists (torchrun or srun)."""
+    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+
+
 def run_directory(cfg: Any) -> Path:
     return Path(cfg.run.output_dir) / cfg.run.name
 
@@ -69,15 +79,23 @@ def _latest_meta(root: Path) -> Optional[tuple[Path, dict[str, Any]]]:
         return None
 
 
-def check_resumable(cfg: Any, tag_dir: Path, saved_yaml: str) -> None:
+def check_resumable(cfg: Any, tag_dir: Path, saved_yaml: str, saved_world_size: Optional[int] = None) -> None:
     """Raise :class:`ConfigError` naming every key that differs from the checkpoint's config and cannot change on
-    resume."""
+    resume. With ``saved_world_size`` the split of the global batch (:data:`BATCH_SPLIT_KEYS`) may change when the
+    global batch stays the same (:func:`zerotrain.checkpoint_convert.check_global_batch` refuses otherwise)."""
     try:
         changed = config.differences(run_config.load_text(saved_yaml, origin=str(tag_dir)), cfg)
     except ConfigError:  # saved under an older schema (a key since removed): compare the keys both configs have
         old, new = config.flatten(yaml.safe_load(saved_yaml) or {}), config.flatten(config.as_container(cfg))
         changed = {key: (old[key], new[key]) for key in sorted(old.keys() & new.keys()) if old[key] != new[key]}
     refused = {key: values for key, values in changed.items() if not _may_change(key)}
+    if saved_world_size is not None and set(refused) & set(BATCH_SPLIT_KEYS):
+        from zerotrain.checkpoint_convert import GlobalBatch, check_global_batch, saved_global_batch
+
+        saved = saved_global_batch({"config": saved_yaml, "world_size": saved_world_size})
+        check_global_batch(tag_dir, saved, GlobalBatch(cfg.train.micro_batch_size, cfg.train.grad_accum,
+                                                       _launched_world_size()))
+        refused = {key: values for key, values in refused.items() if key not in BATCH_SPLIT_KEYS}
     if not refused:
         return
     listed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in refused.items())
@@ -102,7 +120,7 @@ def preflight(cfg: Any) -> Optional[str]:
         return None
     tag_dir, meta = latest
     if meta.get("config"):
-        check_resumable(cfg, tag_dir, meta["config"])
+        check_resumable(cfg, tag_dir, meta["config"], meta.get("world_size"))
     if meta["step"] < cfg.train.steps:
         return None
     return (f"run {run_dir} is finished: its latest checkpoint {tag_dir} is at step {meta['step']} "

@@ -26,7 +26,17 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers.integrations import HfDeepSpeedConfig
 
-from zerotrain import checkpoint, config, distributed, durable, loss_reduction, metrics, models, run_tokenizer
+from zerotrain import (
+    checkpoint,
+    checkpoint_convert,
+    config,
+    distributed,
+    durable,
+    loss_reduction,
+    metrics,
+    models,
+    run_tokenizer,
+)
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
 from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, StorageError, TrainingDiverged, ZerotrainError
@@ -90,6 +100,12 @@ class Trainer:
             cfg.zero, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
             grad_clip=train.grad_clip, precision=train.precision, seed=cfg.run.seed, dp_size=self.dp_size,
             hpz_size=self.layout.hpz_size)
+        # A checkpoint of another world size resumes from its universal copy (made here if needed, before anything
+        # is written or built), which DeepSpeed reads only when its config says so at initialize.
+        if cfg.checkpoint.resume and checkpoint_convert.prepare_resume(
+                self.ckpt_root, self.dist.rank, self.dist.world_size, train.micro_batch_size, train.grad_accum,
+                convert_on_resize=cfg.checkpoint.convert_on_resize, verify=cfg.checkpoint.verify):
+            self.ds_config["checkpoint"] = {"load_universal": True}
         self._write_run_files()
         distributed.seed_everything(cfg.run.seed)
 

@@ -71,3 +71,21 @@ def test_bad_subject_exits_with_a_message(caplog):
     rc = load_script().main(["--checkpoint", str(tiny_export()), "--data", str(MMLU_JSONL),
                              "--subjects", "anatomyy"])
     assert rc == 2 and "Did you mean: anatomy" in caplog.text
+
+
+def test_zero3_on_four_ranks_scores_as_one_process(tmp_path):
+    """--zero3: the weights partitioned over 4 ranks (rank 0 reads them), the same scores as the plain model."""
+    one, four = tmp_path / "one.json", tmp_path / "four.json"
+    assert load_script().main(["--checkpoint", str(tiny_export()), *ARGS, "--output", str(one)]) == 0
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                str(SCRIPT), "--zero3", "--checkpoint", str(tiny_export()), *ARGS, "--output", str(four)],
+               timeout=600, check=False)  # a rank running fewer forwards than the others would deadlock
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert "partitioned over 4 ranks (25.0% of the weights on each)" in log, log[-3000:]
+    a, b = json.loads(one.read_text()), json.loads(four.read_text())
+    for key in ("overall", "categories", "subjects", "skipped", "held_out_for_fewshot", "max_length"):
+        assert a[key] == b[key], key
+    assert [q["prediction"] for q in a["questions"]] == [q["prediction"] for q in b["questions"]]
+    torch.testing.assert_close(torch.tensor([q["loglikelihoods"] for q in a["questions"]]),
+                               torch.tensor([q["loglikelihoods"] for q in b["questions"]]), rtol=0, atol=1e-5)
