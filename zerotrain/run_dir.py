@@ -25,7 +25,7 @@ from zerotrain.errors import CheckpointError, ConfigError, StorageError
 # runs, and how it computes and communicates the same thing (attention kernel, recomputation, hpZ's shard and gradient
 # paths). Everything else shapes the state the checkpoint holds (model, optimizer, schedule, data order, batch).
 MAY_CHANGE_ON_RESUME = (
-    "run.output_dir", "run.recipe",
+    "run.output_dir", "run.name", "run.recipe",  # where the run directory is: a copied or moved one resumes too
     "train.steps", "train.log_interval", "train.eval_interval", "train.eval_batches", "train.exit_interval",
     "train.nan_policy", "train.activation_checkpointing", "model.attn_implementation", "data.valid",
     "hpz", "checkpoint", "wandb", "mmlu", "comm", "cluster",
