@@ -6,6 +6,12 @@
 
 Arguments are ``key=value``: ``recipe=<name>`` picks recipes/<name>.yaml, ``<group>=<name>`` swaps a fragment
 from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted keys override single values.
+
+    python train.py recipe=paper_llama2_70b --plan                     # memory per GPU; starts nothing
+    python train.py --plan --all                                       # every recipe's plan, as a markdown table
+
+Before any process group exists, train.py checks the inputs and the memory plan (train.memory_check: refuse | warn
+| off against cluster.device_memory_gib).
 """
 
 import sys
@@ -34,10 +40,24 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__ + "\nRecipes: " + ", ".join(available(RECIPES_DIR)))
         return 0 if argv else 2
+    flags = {a for a in argv if a.startswith("--")}
+    if flags - {"--plan", "--all"} or ("--all" in flags and "--plan" not in flags):
+        print(f"error: unknown flag(s) {' '.join(sorted(flags))}: train.py takes key=value arguments, --plan and "
+              f"--plan --all", file=sys.stderr)
+        return 2
+    argv = [a for a in argv if not a.startswith("--")]
+    from zerotrain import memory_plan
     from zerotrain.run_config import parse_args  # the components' sections: imports torch, transformers, DeepSpeed
 
     try:
+        if "--all" in flags:
+            print(memory_plan.markdown_table(memory_plan.plan_all()))
+            return 0
         cfg = parse_args(argv)  # every key, type and range is checked here, before any process group exists
+        if "--plan" in flags:
+            print(memory_plan.describe(memory_plan.plan(cfg)))
+            return 0
+        memory_plan.check_at_start(cfg)  # the launched world against the device: refuses before any set-up
         check_inputs(cfg)
         from zerotrain.trainer import Trainer
 

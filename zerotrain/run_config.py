@@ -46,6 +46,7 @@ from zerotrain.evaluation.training_hook import MMLUConfig
 from zerotrain.fields import bounded
 from zerotrain.hpz.config import HpzConfig
 from zerotrain.loggers import WandbConfig
+from zerotrain.memory_plan import MemoryCheck
 from zerotrain.models import ModelConfig, validate_model
 from zerotrain.schedule import ScheduleConfig
 
@@ -102,6 +103,9 @@ class TrainConfig:
     """stop | continue, on a non-finite loss."""
     exit_interval: int = bounded(0, ge=0)
     """Save a checkpoint and exit cleanly when step % exit_interval == 0 (Megatron's --exit-interval); 0: never."""
+    memory_check: MemoryCheck = MemoryCheck.refuse
+    """refuse | warn | off: what train.py does at start-up when the memory plan (zerotrain.memory_plan) exceeds
+    cluster.device_memory_gib. refuse exits with code 2 before any process group; warn starts anyway."""
 
     def log_due(self, step: int) -> bool:
         return step % self.log_interval == 0 or step == self.steps
