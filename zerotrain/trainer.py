@@ -69,6 +69,9 @@ class Trainer:
         self.cfg = cfg
         self.callbacks = list(callbacks)
         distributed.apply_environment(cfg.cluster.env)
+        # Before any set-up: a DeepSpeed op that cannot be built fails now, not after the model is built.
+        self.optimizer_impl = engine_lib.resolve_impl(cfg.optim, cfg.zero, cfg.deepspeed)
+        engine_lib.check_optimizer_available(self.optimizer_impl)
         # Before the slow set-up: a SLURM warning signal arriving with no handler installed would kill the process.
         self.preemption = PreemptionHandler()
         self.dist = distributed.init()
@@ -81,7 +84,7 @@ class Trainer:
         self.ds_config = engine_lib.deepspeed_config(
             cfg.zero, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
             grad_clip=train.grad_clip, precision=train.precision, seed=cfg.run.seed, dp_size=self.dp_size,
-            hpz_size=self.layout.hpz_size)
+            hpz_size=self.layout.hpz_size, extra=cfg.deepspeed)
         self._write_run_files()
         distributed.seed_everything(cfg.run.seed)
 
@@ -100,8 +103,12 @@ class Trainer:
         self.flops_per_token = metrics.flops_per_token(
             metrics.matmul_params(model), cfg.model.num_layers, cfg.model.hidden_size, train.seq_len
         )
-        self.engine = engine_lib.initialize(model, cfg.optim, cfg.schedule, train.steps, self.ds_config)
+        self.engine = engine_lib.initialize(model, cfg.optim, cfg.schedule, train.steps, self.ds_config,
+                                            self.optimizer_impl)
         verify_deepspeed_hpz_groups(self.layout)  # DeepSpeed's real hpZ groups must be intra-node
+        if self.dist.is_main:
+            inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+            log.info("optimizer: %s (optim.impl=%s)", type(inner).__name__, self.optimizer_impl)
         self.device = get_accelerator().current_device_name()
 
         # Periodic evaluations, in the order they run after a step.
