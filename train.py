@@ -10,7 +10,8 @@ from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted 
     python train.py recipe=paper_llama2_70b --plan                     # memory per GPU; starts nothing
     python train.py --plan --all                                       # every recipe's plan, as a markdown table
 
-Before any process group exists, train.py checks the inputs and the memory plan (train.memory_check: refuse | warn
+Before any process group exists, train.py checks that GPUs it was given are really used (no silent CPU fallback),
+the inputs, and the memory plan (train.memory_check: refuse | warn
 | off against cluster.device_memory_gib).
 """
 
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
         return 2
     argv = [a for a in argv if not a.startswith("--")]
     from zerotrain import memory_plan
+    from zerotrain.launch import accelerator_check
     from zerotrain.run_config import parse_args  # the components' sections: imports torch, transformers, DeepSpeed
 
     try:
@@ -57,6 +59,7 @@ def main(argv: list[str]) -> int:
         if "--plan" in flags:
             print(memory_plan.describe(memory_plan.plan(cfg)))
             return 0
+        accelerator_check.check(cfg.cluster)  # GPUs allocated but DeepSpeed on the CPU: stop, saying what was found
         memory_plan.check_at_start(cfg)  # the launched world against the device: refuses before any set-up
         check_inputs(cfg)
         from zerotrain.trainer import Trainer
