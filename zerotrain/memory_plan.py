@@ -50,9 +50,9 @@ f MLP width, a query heads, hd = h / a, kvd = key/value heads x hd, s sequence l
 Where the constants come from: measured on the models themselves, not taken from a paper. A bf16/fp32 model in
 train mode on the CPU, one forward under ``torch.autograd.graph.saved_tensors_hooks``, every saved tensor counted
 once per storage, parameters excluded, attributed to its decoder layer by forward pre-hooks; Llama and Falcon (both
-architectures) at seven shapes chosen so that no two of h, kvd, f, a, s, a*s are proportional (h 64-128, 1-8 key/value
-heads, f 128-320, s 48-128, micro-batch 2). Every row fits every shape to the byte (Falcon: within 16 bytes per
-layer, a scalar), ``tests/test_memory_plan.py`` re-measures them. Where the terms come from: 8f is SwiGLU's gate,
+architectures) at shapes chosen so that h, kvd, f, a and s are not proportional; ``tests/test_memory_plan.py``
+re-measures every row at two sequence lengths (h 64 and 96, 1, 2 and 4 key/value heads, f 160-256, s 48 and 80,
+micro-batch 2): Llama fits to the byte, Falcon within one 16-byte scalar per layer. Where the terms come from: 8f is SwiGLU's gate,
 SiLU output, up and their product (bf16); 8h is ``LlamaRMSNorm``'s fp32 copy of its input, twice; 4as is the math
 kernel's fp32 attention probabilities [b, a, s, s] (PyTorch upcasts bf16 there); 6as is eager's bf16 scores and fp32
 softmax; 2s is the [b, 1, s, s] mask that transformers hands to SDPA, converted and saved per layer; 4a is the fused
@@ -427,12 +427,11 @@ def describe(p: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def _remedies(p: MemoryPlan) -> str:
+def _remedies(p: MemoryPlan, can_checkpoint: bool) -> str:
     options = []
-    if not p.checkpointing and p.total_other <= (p.device_bytes or 0):
-        options.append(f"train.activation_checkpointing=true (plan: {_gib(p.total_other)})")
-    elif not p.checkpointing:
-        options.append(f"train.activation_checkpointing=true (still {_gib(p.total_other)})")
+    if can_checkpoint and not p.checkpointing:
+        verb = "plan" if p.total_other <= (p.device_bytes or 0) else "still"
+        options.append(f"train.activation_checkpointing=true ({verb}: {_gib(p.total_other)})")
     options += ["a shorter train.seq_len or train.micro_batch_size", "more nodes (model states shrink; the hpZ "
                 "shard does not)", "zero=zero3_offload_optimizer (optimizer states in host memory)"]
     return "; ".join(options)
@@ -451,8 +450,9 @@ def check_at_start(cfg: Any, environ: Mapping[str, str] = os.environ) -> MemoryP
         log.info("memory plan: %s per GPU %s", _gib(p.total), verdict(p))
     if p.fits is not False:
         return p
+    remedies = _remedies(p, can_checkpoint=hasattr(cfg.train, "activation_checkpointing"))
     message = (f"memory plan: {_gib(p.total)} per GPU exceeds the device's {_gib(p.device_bytes)} "
-               f"({p.device_source}) by {_gib(p.total - p.device_bytes)}:\n{describe(p)}\nTo fit: {_remedies(p)}.")
+               f"({p.device_source}) by {_gib(p.total - p.device_bytes)}:\n{describe(p)}\nTo fit: {remedies}.")
     if policy == "refuse":
         raise ConfigError(message + "\nTo start anyway: train.memory_check=warn (or off).")
     if rank0:
