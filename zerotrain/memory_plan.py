@@ -47,19 +47,19 @@ f MLP width, a query heads, hd = h / a, kvd = key/value heads x hd, s sequence l
     Falcon-7B eager   bf16  12h + 4f + 2as + 4               fp32  24h + 8f + 4as + 8
     checkpointing     bf16  2h per layer (its input)         fp32  4h, plus one layer's row above
 
-Where the constants come from: measured on the models themselves, not taken from a paper. A bf16/fp32 model in
-train mode on the CPU, one forward under ``torch.autograd.graph.saved_tensors_hooks``, every saved tensor counted
-once per storage, parameters excluded, attributed to its decoder layer by forward pre-hooks; Llama and Falcon (both
+Where the constants come from: measured on the models themselves, not taken from a paper. A bf16/fp32 model in train
+mode on the CPU, one forward under ``torch.autograd.graph.saved_tensors_hooks``, every saved tensor counted once per
+storage, parameters excluded, attributed to its decoder layer by forward pre-hooks; Llama and Falcon (both
 architectures) at shapes chosen so that h, kvd, f, a and s are not proportional; ``tests/test_memory_plan.py``
 re-measures every row at two sequence lengths (h 64 and 96, 1, 2 and 4 key/value heads, f 160-256, s 48 and 80,
-micro-batch 2): Llama fits to the byte, Falcon within one 16-byte scalar per layer. Where the terms come from: 8f is SwiGLU's gate,
-SiLU output, up and their product (bf16); 8h is ``LlamaRMSNorm``'s fp32 copy of its input, twice; 4as is the math
-kernel's fp32 attention probabilities [b, a, s, s] (PyTorch upcasts bf16 there); 6as is eager's bf16 scores and fp32
-softmax; 2s is the [b, 1, s, s] mask that transformers hands to SDPA, converted and saved per layer; 4a is the fused
-kernels' fp32 log-sum-exp. Falcon-7B's 71 query heads and one key/value head make every fused SDPA kernel refuse
-(transformers calls SDPA without ``enable_gqa``), hence the math kernel and its 4as term: 46 GB at 2048 tokens over 32
-layers. For Korthikanti et al. (2022)'s GPT formula, ``34h + 5as``, Falcon-7B's row is the same form; Llama-2's
-fused-kernel row has no ``as`` term but a larger constant (45.5h at 7B, because 8f = 21.5h).
+micro-batch 2): Llama fits to the byte, Falcon within one 16-byte scalar per layer. Where the terms come from: 8f is
+SwiGLU's gate, SiLU output, up and their product (bf16); 8h is ``LlamaRMSNorm``'s fp32 copy of its input, twice; 4as
+is the math kernel's fp32 attention probabilities [b, a, s, s] (PyTorch upcasts bf16 there); 6as is eager's bf16
+scores and fp32 softmax; 2s is the [b, 1, s, s] mask that transformers hands to SDPA, converted and saved per layer;
+4a is the fused kernels' fp32 log-sum-exp. Falcon-7B's 71 query heads and one key/value head make every fused SDPA
+kernel refuse (transformers calls SDPA without ``enable_gqa``), hence the math kernel and its 4as term: 46 GB at
+2048 tokens over 32 layers. For Korthikanti et al. (2022)'s GPT formula, ``34h + 5as``, Falcon-7B's row is the same
+form; Llama-2's fused-kernel row has no ``as`` term but a larger constant (45.5h at 7B, because 8f = 21.5h).
 
 Which row applies: ``model.attn_implementation`` (``sdpa`` when absent); the Llama mask rows when the batch carries an
 attention mask (SFT, or pretraining without packing: padding); Falcon's ``sdpa`` always passes a mask
