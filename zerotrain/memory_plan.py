@@ -460,6 +460,10 @@ def check_at_start(cfg: Any, environ: Mapping[str, str] = os.environ) -> MemoryP
     return p
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 10**8 else f"{n / 1e6:.2f} M"
+
+
 def markdown_table(plans: list[MemoryPlan]) -> str:
     """One row per plan, GiB per GPU, for docs/paper.md (``python train.py --plan --all``)."""
     def g(n: int) -> str:
@@ -473,7 +477,7 @@ def markdown_table(plans: list[MemoryPlan]) -> str:
         device = "?" if p.device_bytes is None else f"{g(p.device_bytes)}: {'fits' if p.fits else '**does not fit**'}"
         lines.append(
             f"| `{p.recipe}` | {p.world.nodes} × {p.world.gpus_per_node} | {p.micro_batch_size} × {p.seq_len} "
-            f"| {p.params.total / 1e9:.2f} B | {g(p.term('model states'))} | {g(p.term('hpZ secondary shard'))} "
+            f"| {_count(p.params.total)} | {g(p.term('model states'))} | {g(p.term('hpZ secondary shard'))} "
             f"| {g(p.term('activations'))} | {g(p.term('logits and loss'))} "
             f"| {g(p.term('buffers') + p.term('reserve'))} | **{g(p.total)}** | {'on' if p.checkpointing else 'off'} "
             f"| {g(p.total_other)} | {device} |")
