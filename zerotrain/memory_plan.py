@@ -483,10 +483,3 @@ def markdown_table(plans: list[MemoryPlan]) -> str:
             f"| {g(p.total_other)} | {device} |")
     return "\n".join(lines)
 
-
-def plan_all(recipes_dir: Any = None) -> list[MemoryPlan]:
-    """The plan of every shipped recipe, as composed (no overrides), on its planned world."""
-    from zerotrain.config import RECIPES_DIR, available
-    from zerotrain.run_config import parse_args
-
-    return [plan(parse_args([f"recipe={name}"])) for name in available(recipes_dir or RECIPES_DIR)]
