@@ -85,6 +85,17 @@ def test_bad_deepspeed_keys_are_named(extra, message):
         engine.validate_deepspeed_keys(extra)
 
 
+def test_deepspeeds_parser_alone_accepts_a_misspelt_key():
+    # Negative control of the unknown-key checks above: DeepSpeed itself ignores the typo silently, so only the
+    # recording of the keys it reads catches it.
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    base = engine.deepspeed_config({"stage": 3}, micro_batch_size=1, grad_accum=1, grad_clip=1.0, precision="bf16",
+                                   seed=0, dp_size=1, hpz_size=1)
+    parsed = DeepSpeedConfig({**base, "wall_clock_breakdwon": True, "flops_profiler": {"enabld": True}})
+    assert parsed.wall_clock_breakdown is False and parsed.flops_profiler_config.enabled is False
+
+
 def test_a_misspelt_deepspeed_key_fails_at_compose_time():
     with pytest.raises(ConfigError, match="Did you mean 'wall_clock_breakdown'"):
         compose("deepspeed.wall_clock_breakdwon=true")
