@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Plain ZeRO-3 vs hpZ (stock, sync, ordered) over slow inter-node links, on an emulated 2-node cluster.
+"""Plain ZeRO-3 vs hpZ (stock, sync, ordered) vs hpZ + hierarchical gradients over slow inter-node links, on an
+emulated 2-node cluster.
 
-    sudo .venv/bin/python benchmarks/slow_link.py                       # ~8 min on 2 cores
-    sudo .venv/bin/python benchmarks/slow_link.py --rates 50,unshaped --steps 6 --out-dir runs/slow_link
+    sudo .venv/bin/python benchmarks/slow_link.py                       # ~13 min on 2 cores
+    sudo .venv/bin/python benchmarks/slow_link.py --rates 50mbit,unshaped --steps 6 --out-dir runs/slow_link
 
 One launch of 2 emulated nodes x 2 processes (``tools.emulate``: a network namespace per node, ``tc``-shaped
 veth links, intra-node traffic over each namespace's loopback) runs every (bandwidth, variant) pair one after
@@ -12,7 +13,8 @@ the other in the same processes, with the real trainer (``zerotrain.trainer.Trai
 in the output directory) and waits. The first ``--warmup`` steps of each run are left out of the measurements
 (DeepSpeed's trace validation, and hpZ's first forward that still reads the secondary shards zero.Init made).
 
-Printed (and written to ``<out-dir>/slow_link.md``, ``.json``, ``.png``), per bandwidth and variant:
+Printed (and written to ``<out-dir>/slow_link.md``, ``.json``, ``.png``): a side-by-side table (per bandwidth, every
+variant's step time and speed-up, beside the ratio of wire bytes), then per bandwidth and variant:
 step time, tokens/s, the speed-up over plain ZeRO-3 at that bandwidth, the inter-node bytes per step by the
 accounting's logical model (received from other nodes, all ranks; see ``zerotrain/comm_accounting.py``), and the
 bytes that really left the nodes' interfaces per step (``/proc/net/dev`` of each namespace's eth0: gloo's ring
@@ -39,7 +41,10 @@ VARIANTS = {  # name -> overrides
     "hpz-stock": ["zero=zero3_hpz_cpu", "hpz.mode=stock"],
     "hpz-sync": ["zero=zero3_hpz_cpu", "hpz.mode=sync"],
     "hpz-ordered": ["zero=zero3_hpz_cpu", "hpz.mode=ordered"],
+    # hpZ + gradients reduce-scattered inside the node first, then across nodes over 1/hpZ of the data.
+    "hpz-hier": ["zero=zero3_hpz_cpu", "hpz.mode=ordered", "hpz.grad_reduce=hierarchical"],
 }
+DEFAULT_VARIANTS = "zero3,hpz-ordered,hpz-hier"
 MODEL = ["model.hidden_size=256", "model.num_layers=4", "model.intermediate_size=704"]
 # Little compute per step (2 x 64 tokens per rank): the communication is what is measured.
 TRAIN = ["train.micro_batch_size=2", "train.seq_len=64", "train.eval_interval=0", "train.log_interval=1",
@@ -167,6 +172,26 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(results: list[dict]) -> str:
+    """One row per link: every variant's step time, its speed-up over ZeRO-3 and, for comparison, the ratio of
+    ZeRO-3's wire bytes to its own (the speed-up if only the bytes between nodes mattered)."""
+    variants = list(dict.fromkeys(r["variant"] for r in results))
+    rows = {(r["rate"], r["variant"]): r for r in results}
+    head = ["link", *(f"{v} s/step" for v in variants), *(f"{v} speed-up (wire ratio)" for v in variants[1:]),
+            "wire MB/step " + " / ".join(variants)]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for rate in dict.fromkeys(r["rate"] for r in results):
+        got = [rows.get((rate, v)) for v in variants]
+        base = got[0]
+        cells = [rate, *(f"{g['step_time_s']:.3f}" if g else "-" for g in got)]
+        for g in got[1:]:
+            cells.append(f"{base['step_time_s'] / g['step_time_s']:.2f}x ({base['wire_bytes'] / g['wire_bytes']:.2f}x)"
+                         if g and base else "-")
+        cells.append(" / ".join(f"{g['wire_bytes'] / 1e6:.1f}" if g else "-" for g in got))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def figure(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -188,7 +213,8 @@ def figure(results: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
-    fig.suptitle("ZeRO-3 vs hpZ, 2 emulated nodes x 2 CPU processes (gloo), small Llama (4.0M params)")
+    fig.suptitle("ZeRO-3 vs hpZ (+ hierarchical gradients), 2 emulated nodes x 2 CPU processes (gloo), "
+                 "small Llama (4.0M params)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -254,7 +280,7 @@ def parent(args) -> int:
     finally:
         cluster.close()
     results = json.loads((out / "results.json").read_text())
-    md = table(results)
+    md = side_by_side(results) + "\n\n" + table(results) if results[0]["variant"] == "zero3" else table(results)
     note = (f"\n\n2 emulated nodes x 2 processes, {args.steps - args.warmup} measured steps per run "
             f"(after {args.warmup} warm-up), {time.time() - t_start:.0f} s in all. MB = 10^6 bytes.\n")
     (out / "slow_link.md").write_text(md + note)
@@ -267,9 +293,9 @@ def parent(args) -> int:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", default="50mbit,200mbit,1000mbit,unshaped",
+    p.add_argument("--rates", default="100mbit,50mbit,20mbit,unshaped",
                    help="inter-node bandwidths per node and direction (comma-separated; 'unshaped')")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"subset of {','.join(VARIANTS)}")
     p.add_argument("--steps", type=int, default=6, help="steps per run (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the measurements (default 2)")
     p.add_argument("--out-dir", default=str(REPO / "runs" / "slow_link"))

@@ -1,6 +1,8 @@
 #!/bin/bash
-# Submit the paper's comparison for one model on SLURM (docs/paper.md): plain ZeRO-3 and hpZ stock / sync /
-# ordered, four jobs with the same recipe, seed and data, in one W&B group.
+# Submit the paper's comparison for one model on SLURM (docs/paper.md): plain ZeRO-3 and hpZ legacy / sync /
+# ordered, four jobs with the same recipe, seed and data, in one W&B group. The racy baseline is `legacy`
+# (hpz.mode=legacy: DeepSpeed <= 0.13.4, the version whose failure the paper reports), not `stock` (today's
+# DeepSpeed minus its sync: the race alone, without 0.13's copy rule); --variants adds hpz-stock if wanted.
 #
 #   scripts/paper_sweep.sh [--dry-run] [--no-check] [--group NAME] [--nodes N] [--variants a,b]
 #                          [sbatch flags...] <model> [key=value overrides...]
@@ -16,10 +18,10 @@
 # other sbatch flags (--time, --partition, --account, ...) pass through and win over those defaults.
 #   --group NAME   the W&B group and run-name prefix (default paper-<model>-<date-time>). Reusing a group resumes
 #                  its runs (same run directories) instead of starting new ones.
-#   --variants     a subset of zero3,hpz-stock,hpz-sync,hpz-ordered
+#   --variants     a subset of zero3,hpz-legacy,hpz-sync,hpz-ordered (default: all four), or hpz-stock
 #   --dry-run      print the sbatch commands (one shell-quoted line each) and submit nothing
 #   --no-check     skip the pre-flight check (config, checkpoint and data directories, from this machine)
-# Afterwards: python -m tools.compare --group <group> --project zerotrain-paper --baseline hpz-stock
+# Afterwards: python -m tools.compare --group <group> --project zerotrain-paper --baseline hpz-legacy
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,8 +34,11 @@ declare -A DEFAULT_NODES=(  # our choice, not the paper's: enough 80 GB A100s fo
   [falcon_40b]=4
 )
 
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "paper_sweep.sh: $*" >&2; exit 2; }
+
+# The paper's comparison: its racy baseline is DeepSpeed <= 0.13.4, i.e. hpz.mode=legacy (docs/paper.md).
+PAPER_VARIANTS=zero3,hpz-legacy,hpz-sync,hpz-ordered
 
 DRY_RUN=0
 CHECK=1
@@ -89,8 +94,7 @@ EOF
   ) || exit 2
 fi
 
-SWEEP=(bash "$ROOT/slurm/sweep.sh" --group "$GROUP")
-[ -z "$VARIANTS" ] || SWEEP+=(--variants "$VARIANTS")
+SWEEP=(bash "$ROOT/slurm/sweep.sh" --group "$GROUP" --variants "${VARIANTS:-$PAPER_VARIANTS}")
 [ "$DRY_RUN" = 0 ] || SWEEP+=(--dry-run)
 SWEEP+=(--nodes="$NODES" --gpus-per-node=8 --ntasks-per-node=8 "${SBATCH_FLAGS[@]}" -- "$RECIPE" "$@")
 
@@ -115,5 +119,5 @@ fi
 # slurm/sweep.sh resolves train.sbatch itself; the jobs run from the submit directory, i.e. the repository.
 cd "$ROOT"
 "${SWEEP[@]}"
-echo "compare: python -m tools.compare --group $GROUP --project zerotrain-paper --baseline hpz-stock" \
+echo "compare: python -m tools.compare --group $GROUP --project zerotrain-paper --baseline hpz-legacy" \
      "(or --runs-root runs for the local run directories)"

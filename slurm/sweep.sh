@@ -8,9 +8,12 @@
 #
 # Variants (edit VARIANTS below to add more):
 #   zero3        zero.zero_hpz_partition_size=1                     plain ZeRO-3, the baseline
-#   hpz-stock    zero.zero_hpz_partition_size=auto hpz.mode=stock   DeepSpeed <= 0.13.4 (racy)
+#   hpz-stock    zero.zero_hpz_partition_size=auto hpz.mode=stock   today's DeepSpeed minus its sync (racy)
 #   hpz-sync     zero.zero_hpz_partition_size=auto hpz.mode=sync    host waits (DeepSpeed today)
 #   hpz-ordered  zero.zero_hpz_partition_size=auto hpz.mode=ordered device-side ordering (ours)
+#   hpz-legacy   zero.zero_hpz_partition_size=auto hpz.mode=legacy  DeepSpeed <= 0.13.4, the paper's baseline (racy);
+#                                                                   not in the default set: --variants, or
+#                                                                   scripts/paper_sweep.sh, which uses it
 #
 # One job per variant (a loop, not a job array: each variant keeps its own job name, log and requeue cycle,
 # and one can be cancelled or resubmitted alone). Each run is named <group>-<variant> (its run directory and
@@ -24,6 +27,7 @@ declare -A VARIANTS=(
   [hpz-stock]="zero.zero_hpz_partition_size=auto hpz.mode=stock"
   [hpz-sync]="zero.zero_hpz_partition_size=auto hpz.mode=sync"
   [hpz-ordered]="zero.zero_hpz_partition_size=auto hpz.mode=ordered"
+  [hpz-legacy]="zero.zero_hpz_partition_size=auto hpz.mode=legacy"
 )
 ORDER=(zero3 hpz-stock hpz-sync hpz-ordered)
 

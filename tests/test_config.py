@@ -230,6 +230,18 @@ def test_hpz_modes_of_the_schema_are_the_modules_modes():
     assert tuple(HpzMode) == hpz.MODES
 
 
+def test_grad_reduce_choices_of_the_schema_are_the_modules_modes():
+    from zerotrain.hpz import grad_reduce
+    from zerotrain.hpz.config import GradReduce
+
+    assert tuple(GradReduce) == grad_reduce.GRAD_REDUCE_MODES
+
+
+def test_an_unknown_grad_reduce_names_the_key_and_the_choices():
+    with pytest.raises(ConfigError, match=r"hpz\.grad_reduce.*flat.*hierarchical"):
+        run_config.compose("tiny_llama", ["hpz.grad_reduce=tree"])
+
+
 def test_the_typed_config_saves_the_same_yaml_as_the_composed_one():
     for recipe in RECIPES:
         cfg = run_config.compose(recipe)

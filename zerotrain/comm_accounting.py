@@ -17,7 +17,9 @@ ZeRO-3 (+ hpZ) calls:
 * parameter all-gather (forward over the world; hpZ backward over the hpZ group): ``dist.allgather_fn`` ->
   ``all_gather_into_tensor``, one call per coalesced bucket, or per parameter (``_all_gather_sequential``);
 * gradient reduce-scatter (``reduce_scatter_coalesced``): ``dist.reduce_scatter_fn`` -> ``reduce_scatter_tensor``,
-  over the world (hpZ does not change it);
+  over the world (hpZ does not change it); with ``hpz.grad_reduce=hierarchical`` instead a ``reduce_scatter_tensor``
+  over the hpZ group and an ``all_to_all_single`` over the ranks with the same hpZ-local rank
+  (:mod:`zerotrain.hpz.grad_reduce`);
 * ``all_reduce`` (gradient norm, overflow checks), ``broadcast`` (``zero.Init`` initial parameters), ``barrier``;
 * with qgZ (``zero_quantized_gradients``): ``all_to_all_single``; other paths ``all_gather``, ``reduce_scatter``.
 

@@ -75,6 +75,8 @@ def format_line(step: int, total: int, m: dict[str, Any]) -> str:
         parts.append(f"{m['tflops_per_device']:.3g} TFLOP/s/dev")
     if m.get("mfu") is not None:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "hpz/races" in m:  # hpz.emulate_async: racy shard accesses in the window, all ranks
+        parts.append(f"races {m['hpz/races'] + m['hpz/freed_source_races']}")
     mem = m.get("mem/device_max_allocated_gib", m.get("mem/host_rss_gib"))
     if mem is not None:
         parts.append(f"mem {mem:.2f} GiB")

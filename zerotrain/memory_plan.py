@@ -42,8 +42,8 @@ f MLP width, a query heads, hd = h / a, kvd = key/value heads x hd, s sequence l
     Falcon new arch   bf16  12h + 2kvd' + 4f + 4a + 2s + 8   fp32  24h + 4kvd' + 8f + 4a + 4s + 16   (sdpa)
       (40B/180B)      bf16  14h + 4f + 2as + 8               fp32  28h + 8f + 4as + 16               (eager)
                             kvd' = h unless there is a single key/value head (then kvd)
-    Falcon-7B (multi-query, sdpa = PyTorch's math kernel)
-                      bf16  18h + 4f + 4as + 4               fp32  24h + 8f + 4as + 8
+    Falcon-7B sdpa    bf16  12h + 4f + 4a + 2s + 4           fp32  24h + 8f + 4a + 4s + 8
+      (multi-query, K/V expanded by zerotrain.attention; stock transformers: the math kernel, bf16 18h + 4f + 4as + 4)
     Falcon-7B eager   bf16  12h + 4f + 2as + 4               fp32  24h + 8f + 4as + 8
     checkpointing     bf16  2h per layer (its input)         fp32  4h, plus one layer's row above
 
@@ -56,16 +56,19 @@ micro-batch 2): Llama fits to the byte, Falcon within one 16-byte scalar per lay
 SwiGLU's gate, SiLU output, up and their product (bf16); 8h is ``LlamaRMSNorm``'s fp32 copy of its input, twice; 4as
 is the math kernel's fp32 attention probabilities [b, a, s, s] (PyTorch upcasts bf16 there); 6as is eager's bf16
 scores and fp32 softmax; 2s is the [b, 1, s, s] mask that transformers hands to SDPA, converted and saved per layer;
-4a is the fused kernels' fp32 log-sum-exp. Falcon-7B's 71 query heads and one key/value head make every fused SDPA
-kernel refuse (transformers calls SDPA without ``enable_gqa``), hence the math kernel and its 4as term: 46 GB at
-2048 tokens over 32 layers. For Korthikanti et al. (2022)'s GPT formula, ``34h + 5as``, Falcon-7B's row is the same
-form; Llama-2's fused-kernel row has no ``as`` term but a larger constant (45.5h at 7B, because 8f = 21.5h).
+4a is the fused kernels' fp32 log-sum-exp. In stock transformers Falcon-7B's 71 query heads and one key/value head
+make every fused SDPA kernel refuse (SDPA is called without ``enable_gqa``), hence the math kernel and its 4as term:
+46 GB at 2048 tokens over 32 layers; ``zerotrain.attention.expand_multi_query_kv`` (applied by ``build_model`` under
+sdpa) expands K/V to every head, which removes it (Korthikanti et al. (2022)'s GPT formula, ``34h + 5as``, has the
+math-kernel row's form). Llama-2's fused-kernel row has no ``as`` term but a larger constant (45.5h at 7B, because
+8f = 21.5h).
 
-Which row applies: ``model.attn_implementation`` (``sdpa`` when absent); the Llama mask rows when the batch carries an
-attention mask (SFT, or pretraining without packing: padding); Falcon's ``sdpa`` always passes a mask
-(``allow_is_causal_skip=False`` in ``FalconModel``). Falcon-7B's row is for micro-batches > 1; at micro-batch 1 it is
-8h - 8hd smaller. ``flash_attention_2`` is not measured (no CPU kernel): it saves what the fused sdpa kernels save,
-without a mask, and is planned as the no-mask ``sdpa`` row.
+Which row applies: ``model.attn_implementation`` (``sdpa`` when absent), and always the mask rows: packed batches
+carry per-document ``position_ids``, from which transformers builds a block mask whenever a sequence holds two
+documents (nearly every window), unpacked ones a padding mask, and Falcon's ``sdpa`` always passes one
+(``allow_is_causal_skip=False`` in ``FalconModel``); a window of one document is planned a little high.
+``flash_attention_2`` is not measured (no CPU kernel): it saves what the fused sdpa kernels save, without a mask,
+and is planned as the no-mask ``sdpa`` row.
 
 What only a GPU can confirm: CUDA's flash and memory-efficient kernels save the same q, k, v, output and log-sum-exp
 (the memory-efficient kernel pads the log-sum-exp to multiples of 32: about 1%), the buffer and reserve terms, and the
@@ -135,10 +138,12 @@ def layer_bytes_per_token(model: models.ModelConfig, seq_len: int, attn_impl: st
         mask = 0 if attn_impl == "flash_attention_2" else (4 if wide else 2) * s
         row = 24 * h + 4 * kv_saved + 8 * f + 4 * a + 16 if wide else 12 * h + 2 * kv_saved + 4 * f + 4 * a + 8
         return row + mask
-    # Falcon-7B's layout (multi-query, parallel attention): sdpa falls back to the math kernel, see the docstring.
-    if wide:
-        return 24 * h + 8 * f + 4 * a * s + 8
-    return 12 * h + 4 * f + 2 * a * s + 4 if eager else 18 * h + 4 * f + 4 * a * s + 4
+    # Falcon-7B's layout (multi-query, parallel attention). Under sdpa zerotrain.attention expands K/V to every
+    # head, so a fused kernel runs (with Falcon's mask); stock transformers would fall back to the math kernel.
+    if eager:
+        return 24 * h + 8 * f + 4 * a * s + 8 if wide else 12 * h + 4 * f + 2 * a * s + 4
+    mask = 0 if attn_impl == "flash_attention_2" else (4 if wide else 2) * s
+    return (24 * h + 8 * f + 4 * a + 8 if wide else 12 * h + 4 * f + 4 * a + 4) + mask
 
 
 def activation_bytes_per_token(model: models.ModelConfig, seq_len: int, checkpointing: bool, attn_impl: str = "sdpa",
@@ -306,13 +311,15 @@ def _run_choices(cfg: Any) -> tuple[bool, str, bool]:
     """
     checkpointing = bool(getattr(cfg.train, "activation_checkpointing", False))
     attn_impl = str(getattr(cfg.model, "attn_implementation", "sdpa"))
-    masked = str(cfg.data.kind) == "sft" or not cfg.data.packing
+    # Packed batches carry per-document position_ids, from which transformers builds a block mask whenever a
+    # sequence holds more than one document (nearly every window); unpacked ones carry a padding mask.
+    masked = True
     return checkpointing, attn_impl, masked
 
 
 def _attention_path(model: models.ModelConfig, attn_impl: str, masked: bool) -> str:
     if model.family == models.ModelFamily.falcon and not model.new_decoder_architecture and attn_impl == "sdpa":
-        return "sdpa -> math kernel (multi-query: fp32 attention probabilities)"
+        return "sdpa with mask (multi-query K/V expanded: a fused kernel)"
     if model.family == models.ModelFamily.falcon and attn_impl == "sdpa":
         return "sdpa with mask (Falcon always passes one)"
     return f"{attn_impl}{' with mask' if masked and attn_impl != 'flash_attention_2' else ''}"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
+from zerotrain.attention import AttnImplementation, check_available, expand_multi_query_kv
 from zerotrain.errors import ConfigError
 from zerotrain.fields import bounded
 
@@ -67,6 +68,9 @@ class ModelConfig:
     """Falcon only: biases in the linear layers."""
     published_params: float | None = bounded(None, gt=0)
     """Published parameter count of this shape, checked by the tests; None for shapes of our own."""
+    attn_implementation: AttnImplementation = AttnImplementation.sdpa
+    """sdpa | eager | flash_attention_2 (needs the flash-attn package), handed to transformers; see
+    zerotrain/attention.py (Falcon-7B's multi-query K/V are expanded so sdpa can use a fused kernel)."""
 
 
 def validate_model(model: ModelConfig) -> None:
@@ -78,6 +82,7 @@ def validate_model(model: ModelConfig) -> None:
     if model.num_kv_heads and model.num_heads % model.num_kv_heads:
         raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by "
                           f"model.num_kv_heads={model.num_kv_heads} (grouped-query attention)")
+    check_available(model.attn_implementation)
     try:
         hf_config(model)
     except Exception as e:  # noqa: BLE001 -- transformers raises its own validation error types
@@ -137,17 +142,31 @@ def torch_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
-def build_model(model: ModelConfig, precision: str) -> torch.nn.Module:
+def build_model(model: ModelConfig, precision: str, activation_checkpointing: bool = False) -> torch.nn.Module:
     """Build (from scratch) or load (fine-tuning) the model; under ZeRO-3 when an HfDeepSpeedConfig is alive.
 
     The caller keeps ``transformers.integrations.HfDeepSpeedConfig(ds_config)`` referenced for the duration: that is
     how ``transformers`` knows to partition parameters at construction time.
+
+    ``activation_checkpointing``: keep only each decoder layer's input for backward and recompute the layer there
+    (transformers' non-reentrant ``torch.utils.checkpoint`` around each layer's ``forward``). Under ZeRO-3 the
+    recompute gathers the layer's parameters again (DeepSpeed tracks it), from the hpZ node-local shards when hpZ is
+    on, so it adds no inter-node traffic; evaluation under ``no_grad`` is unaffected. DeepSpeed's own
+    ``deepspeed.checkpointing`` is not used: it is Megatron-bound (reentrant, tensor-parallel partitioning) and its
+    non-reentrant variant fails under ZeRO-3.
     """
     cls = MODEL_CLASSES[model.family]  # imported at module load, i.e. before zero.Init patches nn.Module
-    dtype = torch_dtype(precision)
+    kwargs = {"dtype": torch_dtype(precision), "attn_implementation": str(model.attn_implementation)}
     if model.pretrained_path:
-        return cls.from_pretrained(model.pretrained_path, dtype=dtype)
-    return cls._from_config(hf_config(model), dtype=dtype)
+        # No KV cache in training: with one, transformers would also stop reading packed documents off position_ids.
+        module = cls.from_pretrained(model.pretrained_path, use_cache=False, **kwargs)
+    else:
+        module = cls._from_config(hf_config(model), **kwargs)
+    if model.attn_implementation == AttnImplementation.sdpa:
+        expand_multi_query_kv(module)
+    if activation_checkpointing:
+        module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return module
 
 
 def count_parameters(model: ModelConfig) -> int:

@@ -37,6 +37,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from zerotrain import config
+from zerotrain.attention import AttnImplementation
 from zerotrain.checkpoint import CheckpointConfig
 from zerotrain.comm_accounting import CommConfig
 from zerotrain.data.loader import DataConfig
@@ -62,6 +63,11 @@ class Precision(StrEnum):
 # "continue" is a keyword, so the members are given by name: stop raises a clear error (exit code 3, the last
 # checkpoint kept); continue logs the step and goes on, e.g. to record a diverging curve.
 NanPolicy = StrEnum("NanPolicy", [("stop", "stop"), ("continue", "continue")])
+
+
+class LossReduction(StrEnum):
+    token = "token"  # every trained token of the optimizer step weighs the same, over micro-batches and ranks
+    micro_batch = "micro_batch"  # the mean over each micro-batch's tokens, then the mean of those means
 
 
 @dataclass
@@ -104,6 +110,13 @@ class TrainConfig:
     """stop | continue, on a non-finite loss."""
     exit_interval: int = bounded(0, ge=0)
     """Save a checkpoint and exit cleanly when step % exit_interval == 0 (Megatron's --exit-interval); 0: never."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input for backward and recompute the layer there (~1/3 more compute, the
+    saved activations cut to 2*hidden bytes per token per layer in bf16; see docs/paper.md)."""
+    loss_reduction: LossReduction = LossReduction.token
+    """token | micro_batch: how the loss averages over the trained tokens (labels != -100) of an optimizer step.
+    token: the mean over all of them, whatever the split into micro-batches, accumulation steps and ranks;
+    micro_batch: each micro-batch's own mean, then averaged (what a plain per-forward mean gives)."""
     memory_check: MemoryCheck = MemoryCheck.refuse
     """refuse | warn | off: what train.py does at start-up when the memory plan (zerotrain.memory_plan) exceeds
     cluster.device_memory_gib. refuse exits with code 2 before any process group; warn starts anyway."""
@@ -147,7 +160,14 @@ def validate(cfg: Config) -> None:
     validate_zero(cfg.zero)
     validate_deepspeed_keys(cfg.deepspeed)
     resolve_impl(cfg.optim, cfg.zero, cfg.deepspeed)  # an optimizer impl that cannot work with the zero section
-    validate_model(cfg.model)
+    validate_model(cfg.model)  # also: is the attention implementation installed?
+    if (cfg.model.attn_implementation == AttnImplementation.flash_attention_2 and cfg.data.packing
+            and cfg.train.micro_batch_size > 1):
+        # transformers takes flash-attention's varlen path (documents kept apart) only at batch size 1.
+        raise ConfigError("model.attn_implementation=flash_attention_2 with data.packing=true needs "
+                          f"train.micro_batch_size=1 (got {cfg.train.micro_batch_size}): transformers keeps packed "
+                          "documents apart under flash attention only at batch size 1. Raise train.grad_accum "
+                          "instead, or use model.attn_implementation=sdpa")
 
 
 def compose(recipe: str | None, overrides: Sequence[str] = ()) -> DictConfig:

@@ -25,14 +25,16 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers.integrations import HfDeepSpeedConfig
 
-from zerotrain import checkpoint, config, distributed, metrics, models, run_tokenizer
+from zerotrain import checkpoint, config, distributed, loss_reduction, metrics, models, run_tokenizer
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
 from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, TrainingDiverged
+from zerotrain.hpz.config import GradReduce
+from zerotrain.hpz.emulated_run import EmulatedRun
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
 from zerotrain.launch.preemption import PreemptionHandler
 from zerotrain.loggers import MetricsLogger, setup_console
-from zerotrain.run_config import Config, NanPolicy
+from zerotrain.run_config import Config, LossReduction, NanPolicy
 from zerotrain.validation import Validation
 
 log = logging.getLogger("zerotrain")
@@ -43,7 +45,8 @@ class StepResult:
     """What one optimizer step gave."""
 
     loss: float
-    """The loss averaged over micro-batches and ranks."""
+    """The loss averaged over micro-batches and ranks (under train.loss_reduction=token: the mean over every
+    trained token of the step)."""
     nonfinite: bool
     """Whether any rank saw a non-finite loss."""
     lr: float
@@ -72,6 +75,8 @@ class Trainer:
         # Before any set-up: a DeepSpeed op that cannot be built fails now, not after the model is built.
         self.optimizer_impl = engine_lib.resolve_impl(cfg.optim, cfg.zero, cfg.deepspeed)
         engine_lib.check_optimizer_available(self.optimizer_impl)
+        # hpz.emulate_async: the emulated asynchronous accelerator goes in before the process group exists.
+        self.emulation = EmulatedRun.start(cfg.hpz, cfg.zero)
         # Before the slow set-up: a SLURM warning signal arriving with no handler installed would kill the process.
         self.preemption = PreemptionHandler()
         self.dist = distributed.init()
@@ -93,13 +98,15 @@ class Trainer:
         validation = self._validation() if train.eval_interval else None
 
         self.hpz_active = self.layout.hpz_size > 1
-        if self.hpz_active:
-            from zerotrain import hpz
+        from zerotrain import hpz
 
-            hpz.install(mode=str(cfg.hpz.mode), verify=cfg.hpz.verify)
+        if self.hpz_active or cfg.hpz.grad_reduce != GradReduce.flat:  # without hpZ the engine build refuses it
+            hpz.install(mode=str(cfg.hpz.mode), verify=cfg.hpz.verify, grad_reduce=str(cfg.hpz.grad_reduce))
+        else:  # plain ZeRO-3: nothing an earlier run in this process installed (benchmarks, tests) may apply to it
+            hpz.uninstall()
         # transformers partitions the model at construction (zero.Init) while this object is referenced.
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
-        model = models.build_model(cfg.model, train.precision)
+        model = models.build_model(cfg.model, train.precision, train.activation_checkpointing)
         self.flops_per_token = metrics.flops_per_token(
             metrics.matmul_params(model), cfg.model.num_layers, cfg.model.hidden_size, train.seq_len
         )
@@ -247,6 +254,8 @@ class Trainer:
                     self._export()
             return EXIT_OK
         finally:
+            if self.emulation is not None:
+                self.emulation.finish(self.run_dir, self.dist.rank, self.dist.world_size)
             self.logger.close()
 
     @property
@@ -260,9 +269,14 @@ class Trainer:
         lr = self.engine.get_lr()[0]
         started = time.perf_counter()
         total = torch.zeros(2, dtype=torch.float32, device=self.device)
-        for _ in range(self.cfg.train.grad_accum):
-            batch = {k: v.to(self.device) for k, v in next(self.train_loader).items()}
-            loss = self.engine(**batch).loss
+        # The step's micro-batches first: under token reduction every forward needs the step's global token count.
+        micro_batches = [{k: v.to(self.device) for k, v in next(self.train_loader).items()}
+                         for _ in range(self.cfg.train.grad_accum)]
+        extra = {}
+        if self.cfg.train.loss_reduction == LossReduction.token:
+            extra["num_items_in_batch"] = loss_reduction.num_items_in_batch(micro_batches, self.dp_size, self.device)
+        for batch in micro_batches:
+            loss = self.engine(**batch, **extra).loss
             self.engine.backward(loss)
             self.engine.step()
             value = loss.detach().float()
@@ -291,6 +305,7 @@ class Trainer:
             "loss": sum(r.loss for r in window) / len(window),
             "lr": window[-1].lr,
             "grad_norm": _as_float(self.engine.get_global_grad_norm()),
+            "skipped_steps": self.engine.skipped_steps,  # DeepSpeed's, since the start: steps dropped on a bad norm
             "step_time_s": step_time,
             "tokens": self.state.tokens,
             "tokens_per_s": tokens_per_s,
@@ -304,6 +319,8 @@ class Trainer:
 
             out.update({f"hpz/{k}": v for k, v in hpz.counters().items()})
             hpz.reset_counters()
+        if self.emulation is not None:  # every rank reaches here: summed over ranks
+            out.update(self.emulation.interval_metrics())
         if self.cfg.comm.accounting:  # every rank reaches here: the snapshot is summed over ranks
             from zerotrain import comm_accounting
 

@@ -118,6 +118,7 @@ FP32 = 4
 # hidden 66 (norms: 66 = 4*16 + 2), 3 heads of 22, 1 K/V head, MLP 171 (66*171 = 11286 = 4*2821 + 2).
 SHAPE = {"vocab": 2048, "hidden": 66, "layers": 2, "heads": 3, "kv_heads": 1, "intermediate": 171}
 OVERRIDES = ["model.hidden_size=66", "model.num_heads=3", "model.num_kv_heads=1", "model.intermediate_size=171"]
+HIER = "zero3_hpz_cpu+hpz.grad_reduce=hierarchical"  # the third variant: hpZ with hierarchical gradients
 
 
 def llama_param_numels(vocab, hidden, layers, heads, kv_heads, intermediate) -> list[int]:
@@ -145,12 +146,18 @@ def expected_bytes(numels: list[int]) -> dict:
     * a world all-gather of a parameter: each of the W ranks gets aligned/W elements from each of its W-k peers
       on the other node and k-1 on its own: inter (W-k)*aligned, intra (k-1)*aligned elements in all;
     * hpZ's backward all-gather over the hpZ group (h ranks, inside a node): W*(h-1)*aligned/h, all intra;
-    * the gradient reduce-scatter over the world: as a world all-gather (aligned/W out per rank).
+    * the gradient reduce-scatter over the world: as a world all-gather (aligned/W out per rank);
+    * hierarchical gradients (``hpz.grad_reduce=hierarchical``), in place of that reduce-scatter: a reduce-scatter
+      over the hpZ group with aligned/h out per rank (W*(h-1)*aligned/h, all intra), then an all-to-all of those
+      aligned/h over the W/h ranks with the same hpZ-local rank, aligned/W to and from each member: (W-k)/h of
+      them on other nodes, k/h-1 on this one.
     """
     a = sum(aligned(n, WORLD) for n in numels) * FP32
     k, w, h = PER_NODE, WORLD, HPZ
     world_ag = {"inter": (w - k) * a, "intra": (k - 1) * a}
     hpz_ag = {"inter": 0, "intra": w * (h - 1) * a // h}
+    hier_rs = {"inter": 0, "intra": w * (h - 1) * a // h}
+    hier_a2a = {"inter": (w - k) * a // h, "intra": (k - h) * a // h}
     return {
         "aligned_bytes": a,
         "zero3": {"all_gather": {"inter": 2 * world_ag["inter"], "intra": 2 * world_ag["intra"]},
@@ -160,6 +167,8 @@ def expected_bytes(numels: list[int]) -> dict:
         # Step 1 of hpZ: the forward still reads the secondary shards zero.Init made (the parameters have not
         # changed yet), so both gathers of that step are hpZ-group gathers.
         "hpz_step1": {"all_gather": {"inter": 0, "intra": 2 * hpz_ag["intra"]}, "reduce_scatter": world_ag},
+        "hpz_hier": {"all_gather": {"inter": world_ag["inter"], "intra": world_ag["intra"] + hpz_ag["intra"]},
+                     "reduce_scatter": hier_rs, "all_to_all": hier_a2a},
     }
 
 
@@ -169,11 +178,12 @@ def measured(shakespeare, tmp_path_factory):
     out = out_dir / "out.json"
     t0 = time.time()
     nodes = launch_nodes(
-        2, 2, HERE / "worker_comm.py", str(out), "zero3_cpu,zero3_hpz_cpu", "recipe=tiny_llama",
+        2, 2, HERE / "worker_comm.py", str(out), f"zero3_cpu,zero3_hpz_cpu,{HIER}", "recipe=tiny_llama",
         f"run.output_dir={out_dir / 'runs'}", "run.name=comm", f"data.train.0.path={shakespeare}",
         f"train.steps={STEPS}", "train.log_interval=1", "train.eval_interval=0", "wandb.enabled=false",
         "checkpoint.save_final=false", "checkpoint.resume=false", *OVERRIDES, timeout=600, check=False)
-    print(f"\n2 nodes x 2 launch (ZeRO-3 then hpZ, {STEPS} steps each): {time.time() - t0:.1f} s wall")
+    print(f"\n2 nodes x 2 launch (ZeRO-3, hpZ, hpZ + hierarchical gradients, {STEPS} steps each): "
+          f"{time.time() - t0:.1f} s wall")
     rcs, text = [n.returncode for n in nodes], "\n".join(f"--- node{i} ---\n{n.stdout}{n.stderr}"
                                                          for i, n in enumerate(nodes))
     assert not any(rcs) and out.is_file(), f"exit codes {rcs}\n{text[-6000:]}"
@@ -181,7 +191,7 @@ def measured(shakespeare, tmp_path_factory):
 
 
 def test_layout_is_two_nodes_and_hpz_groups_are_intra_node(measured):
-    for variant in ("zero3_cpu", "zero3_hpz_cpu"):
+    for variant in ("zero3_cpu", "zero3_hpz_cpu", HIER):
         layout = measured[variant]["layout"]
         assert layout["node_of_rank"] == ["node0", "node0", "node1", "node1"]
     assert measured["zero3_hpz_cpu"]["layout"]["hpz_groups"] == [[0, 1], [2, 3]]
@@ -227,4 +237,34 @@ def test_hpz_inter_node_bytes_match_zeropp_prediction_exactly(measured):
     first = hpz[0]
     for kind in ("all_gather", "reduce_scatter"):
         assert _kind(first, kind) == exp["hpz_step1"][kind]
+    print("\n" + "\n".join(report))
+
+
+def test_hierarchical_gradients_halve_inter_node_gradient_bytes_exactly(measured):
+    """hpZ + hpz.grad_reduce=hierarchical: the gradients' inter-node bytes are exactly the prediction, and at most
+    half (here, for 2 nodes with hpZ = ranks per node: exactly half) of ZeRO-3's; the parameter gathers are hpZ's."""
+    exp = expected_bytes(llama_param_numels(**SHAPE))
+    z3 = measured["zero3_cpu"]["per_step"]
+    hier = measured[HIER]["per_step"]
+    assert len(hier) == STEPS
+    report = []
+    for step in range(2, STEPS):
+        snap = hier[step]
+        others = {kind: c["recv_inter"] for kind, c in snap.items()
+                  if kind not in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")}
+        assert not any(others.values()), others
+        for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+            got = _kind(snap, kind)
+            report.append(f"step {step + 1} hier  {kind:14s} expected {exp['hpz_hier'][kind]} measured {got}")
+            assert got == exp["hpz_hier"][kind], "\n".join(report)
+        gradients = _kind(snap, "reduce_scatter")["inter"] + _kind(snap, "all_to_all")["inter"]
+        zero3_gradients = _kind(z3[step], "reduce_scatter")["inter"]
+        assert gradients * 2 <= zero3_gradients
+        assert gradients == (WORLD - PER_NODE) * exp["aligned_bytes"] // HPZ
+        assert z3[step]["all_reduce"] == snap["all_reduce"]
+        total = sum(c["recv_inter"] for c in snap.values())
+        z3_total = sum(c["recv_inter"] for c in z3[step].values())
+        report.append(f"step {step + 1} inter-node gradient bytes: zero3 {zero3_gradients}, hierarchical {gradients}; "
+                      f"all inter-node bytes: zero3 {z3_total:.0f}, hpz + hierarchical {total:.0f} "
+                      f"(ratio {total / z3_total:.4f})")
     print("\n" + "\n".join(report))

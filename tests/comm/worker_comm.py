@@ -1,7 +1,8 @@
 """Worker: the real trainer (``zerotrain.trainer.Trainer``) with communication accounting installed around it.
 
 Usage (under torchrun, any layout): ``worker_comm.py OUT.json VARIANTS key=value ...`` where VARIANTS is a
-comma-separated list of ``zero`` presets (``zero3_cpu,zero3_hpz_cpu``) trained one after the other in the same
+comma-separated list of ``zero`` presets, each optionally followed by ``+key=value`` overrides
+(``zero3_cpu,zero3_hpz_cpu,zero3_hpz_cpu+hpz.grad_reduce=hierarchical``), trained one after the other in the same
 processes (one start-up for all: on 2 cores the start-up, not the steps, is what costs), and the rest is the
 train.py grammar, a recipe included; ``run.name`` gets the preset appended. For each variant it installs
 :mod:`zerotrain.comm_accounting` once the trainer is built (so ``zero.Init``'s initial broadcasts are not counted)
@@ -63,10 +64,12 @@ def main(out_path: str, variants: str, argv: list[str]) -> int:
     import torch.distributed as dist
 
     results = {}
-    for zero in variants.split(","):
+    for variant in variants.split(","):  # a zero preset, optionally +key=value overrides: zero3_hpz_cpu+hpz.x=y
+        zero, *extra = variant.split("+")
         name = next((a.split("=", 1)[1] for a in argv if a.startswith("run.name=")), "comm")
-        args = [a for a in argv if not a.startswith("run.name=")] + [f"zero={zero}", f"run.name={name}-{zero}"]
-        results[zero] = run_variant(args)
+        tag = "-".join([zero, *(e.rpartition("=")[2] for e in extra)])
+        args = [a for a in argv if not a.startswith("run.name=")] + [f"zero={zero}", *extra, f"run.name={name}-{tag}"]
+        results[variant] = run_variant(args)
         dist.barrier()
     if dist.get_rank() == 0:
         with open(out_path + ".tmp", "w") as f:

@@ -14,7 +14,7 @@ from zerotrain import config, run_config
 SCRIPT = REPO / "scripts" / "paper_sweep.sh"
 TRAIN_SBATCH = str(REPO / "slurm" / "train.sbatch")
 MODELS = {"llama2_7b": 2, "llama2_13b": 2, "llama2_70b": 8, "falcon_7b": 2, "falcon_40b": 4}
-VARIANTS = ["zero3", "hpz-stock", "hpz-sync", "hpz-ordered"]
+VARIANTS = ["zero3", "hpz-legacy", "hpz-sync", "hpz-ordered"]  # the paper's baseline is DeepSpeed <= 0.13.4
 
 
 def dry_run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -61,6 +61,12 @@ def test_node_count_per_model_and_overrides():
     assert recipe_args(jobs[0])[0] == "paper_falcon_40b"
 
 
+def test_stock_is_not_the_default_but_can_be_asked_for():
+    jobs = commands("--group", "g", "--variants", "hpz-stock,hpz-legacy", "llama2_7b")
+    assert [[o for o in recipe_args(j)[1] if o.startswith("hpz.mode=")] for j in jobs] == [
+        ["hpz.mode=stock"], ["hpz.mode=legacy"]]
+
+
 def test_default_group_is_dated_and_shared():
     jobs = commands("falcon_7b")
     groups = {o for j in jobs for o in recipe_args(j)[1] if o.startswith("wandb.group=")}
@@ -82,7 +88,7 @@ def test_each_submitted_variant_composes_to_its_mode(model):
         composed[variant] = run_config.compose(recipe, overrides)
     zero3 = composed["zero3"]
     assert zero3.zero.zero_hpz_partition_size == 1
-    for mode in ("stock", "sync", "ordered"):
+    for mode in ("legacy", "sync", "ordered"):
         cfg = composed[f"hpz-{mode}"]
         assert cfg.zero.zero_hpz_partition_size == "auto" and cfg.hpz.mode == mode
     for cfg in composed.values():

@@ -46,7 +46,7 @@ def same(a: list[dict], b: list[dict]) -> bool:
 def test_pretraining_batches_are_int64_windows_with_labels_equal_to_inputs(dataset):
     loader = build_loader([(str(dataset), 1.0)], "train", SEQ, 3, seed=1)
     batch = next(loader)
-    assert set(batch) == {"input_ids", "labels"}
+    assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention_mask: see test_data_packing.py
     assert batch["input_ids"].shape == (3, SEQ) and batch["input_ids"].dtype == torch.int64
     assert torch.equal(batch["labels"], batch["input_ids"])
     assert loader.tokens_per_micro_batch == 3 * SEQ

@@ -87,7 +87,8 @@ def _check_labels(batch, tok):
     ids, labels = batch["input_ids"].numpy(), batch["labels"].numpy()
     trained = labels != IGNORE_INDEX
     assert (labels[trained] == ids[trained]).all()
-    assert (batch["attention_mask"].numpy()[trained] == 1).all()
+    if "attention_mask" in batch:  # padded rows; packed rows mark documents with position_ids instead
+        assert (batch["attention_mask"].numpy()[trained] == 1).all()
     for row_ids, row_trained in zip(ids, trained):
         # Every trained token is part of an answer or its EOS; no prompt text is ever trained on.
         assert "[INST]" not in tok.decode(row_ids[row_trained].tolist())
@@ -112,9 +113,9 @@ def test_sft_packed_batches_hold_several_whole_examples(sft_dataset):
     loader = build_loader([(str(sft_dataset), 1.0)], "train", 128, 4, kind="sft", packing=True)
     batch = next(loader)
     _check_labels(batch, tok)
-    ids, attention = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
-    for row, mask in zip(ids, attention):
-        real = row[: mask.sum()]
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    for row, labels in zip(batch["input_ids"].numpy(), batch["labels"].numpy()):
+        real = row[: np.flatnonzero(labels != IGNORE_INDEX)[-1] + 1]  # to the last example's (trained) EOS
         assert list(real).count(tok.eos_id) >= 2  # several examples in one sequence
         assert real[0] == tok.bos_id and real[-1] == tok.eos_id  # and only whole ones
 

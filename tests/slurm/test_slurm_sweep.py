@@ -31,6 +31,8 @@ def test_sweep_submits_zero3_and_three_hpz_modes_in_one_group(tmp_path):
 
 def test_sweep_subset_and_unknown_variant():
     assert len(dry_run("--variants", "zero3,hpz-ordered", "--", "tiny_llama")) == 2
+    (legacy,) = dry_run("--variants", "hpz-legacy", "--", "tiny_llama")  # the paper's baseline: on request
+    assert "hpz.mode=legacy" in legacy and "zero.zero_hpz_partition_size=auto" in legacy
     result = subprocess.run(["bash", str(REPO / "slurm" / "sweep.sh"), "--dry-run", "--variants", "nope", "--", "x"],
                             capture_output=True, text=True, check=False)
     assert result.returncode == 2 and "unknown variant 'nope'" in result.stderr

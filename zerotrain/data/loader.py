@@ -4,7 +4,8 @@ The trainer calls::
 
     train = build_loader([(path, weight), ...], "train", seq_len, micro_batch_size, dp_rank, dp_size, seed,
                          kind="pretrain" | "sft", packing=True, vocab_size=model_vocab)
-    batch = next(train)      # {"input_ids": [B, T] int64, "labels": [B, T] int64, (+ "attention_mask" [B, T])}
+    batch = next(train)      # {"input_ids": [B, T] int64, "labels": [B, T] int64,
+                             #  + "position_ids" [B, T] (packed) or "attention_mask" [B, T] (padded, packing=False)}
     state = train.state_dict()           # small JSON-serialisable dict: store it in the checkpoint
     train.load_state_dict(state)         # continue with exactly the batches that would have come next
     valid = build_valid_loader(path, seq_len, micro_batch_size, dp_rank, dp_size, num_batches=8)
@@ -17,7 +18,11 @@ Samples (each ``seq_len`` tokens):
   shift labels internally.
 * sft, packing=True: whole examples packed greedily, in stored order, into sequences of at most ``seq_len`` tokens
   (an example longer than that is truncated and sits alone); the tail is padded. ``labels`` are -100 on prompt
-  tokens and padding; ``attention_mask`` marks the padding.
+  tokens and padding.
+* Both packed kinds carry ``position_ids`` restarting at 0 at every document (:func:`document_position_ids`) and no
+  ``attention_mask``: transformers then confines attention to each document (a token never sees the document
+  packed before it) and counts RoPE positions from the document's start. The padded tail of an SFT pack is a
+  "document" of its own.
 * packing=False (either kind): one document/example per sequence, truncated to ``seq_len`` and padded.
 
 Order: the global sample order depends only on ``seed`` and the data, never on ``dp_size``. Global micro-step ``m``
@@ -95,16 +100,38 @@ class SampleSource(ABC):
         """Sample ``index`` as int64 arrays of length seq_len: input_ids, labels (and attention_mask if padded)."""
 
 
+def document_position_ids(starts: np.ndarray, length: int) -> np.ndarray:
+    """Position ids restarting at 0 at every document start (``starts``: sorted offsets in ``[0, length)``).
+
+    transformers reads packed documents off these when no 2D ``attention_mask`` is passed: a new document begins
+    wherever consecutive positions do not increase by one, and attention (sdpa, eager; flash-attention's varlen
+    path at micro-batch 1) is then confined to each document, with RoPE positions counted from its own start.
+    """
+    positions = np.arange(length, dtype=np.int64)
+    is_start = np.zeros(length, bool)
+    is_start[0] = True
+    is_start[np.asarray(starts, np.int64)] = True
+    last_start = np.maximum.accumulate(np.where(is_start, positions, 0))
+    return positions - last_start
+
+
 class TokenWindows(SampleSource):
-    """Pretraining with packing: non-overlapping ``seq_len`` windows of the token stream (the tail is dropped)."""
+    """Pretraining with packing: non-overlapping ``seq_len`` windows of the token stream (the tail is dropped).
+
+    A window's first (partial) document counts its positions from the window start, as Megatron's
+    ``reset_position_ids`` does."""
 
     def __init__(self, split: SplitReader, seq_len: int):
         self.split, self.seq_len = split, seq_len
         self.num_samples = split.num_tokens // seq_len
+        self.offsets = split.document_offsets()
 
     def sample(self, index: int) -> dict[str, np.ndarray]:
-        ids = self.split.tokens(index * self.seq_len, self.seq_len).astype(np.int64)
-        return {"input_ids": ids, "labels": ids.copy()}
+        start = index * self.seq_len
+        ids = self.split.tokens(start, self.seq_len).astype(np.int64)
+        first, last = np.searchsorted(self.offsets, [start, start + self.seq_len])
+        starts = self.offsets[first:last] - start
+        return {"input_ids": ids, "labels": ids.copy(), "position_ids": document_position_ids(starts, self.seq_len)}
 
 
 class _DocumentSamples(SampleSource):
@@ -162,8 +189,16 @@ class PackedExamples(_DocumentSamples):
         self.num_samples = len(self.bounds) - 1
 
     def sample(self, index: int) -> dict[str, np.ndarray]:
-        start, end = int(self.offsets[self.bounds[index]]), int(self.offsets[self.bounds[index + 1]])
-        return self._padded(start, end - start)
+        first, last = int(self.bounds[index]), int(self.bounds[index + 1])
+        start, end = int(self.offsets[first]), int(self.offsets[last])
+        sample = self._padded(start, end - start)
+        # No attention_mask: with one, transformers would let the pack's examples attend to each other. The padded
+        # tail becomes a "document" of its own (never trained: its labels are -100).
+        del sample["attention_mask"]
+        starts = [int(o) - start for o in self.offsets[first:last]] + [min(end - start, self.seq_len)]
+        sample["position_ids"] = document_position_ids(np.asarray([s for s in starts if s < self.seq_len]),
+                                                       self.seq_len)
+        return sample
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -100,6 +100,10 @@ def load_hf_export(
     export = resolve_checkpoint(path)
     tokenizer = AutoTokenizer.from_pretrained(export)
     model = AutoModelForCausalLM.from_pretrained(export, dtype=dtype)
+    if model.config._attn_implementation == "sdpa":
+        from zerotrain.attention import expand_multi_query_kv
+
+        expand_multi_query_kv(model)  # Falcon-7B: a fused SDPA kernel instead of the fp32 math fallback
     return model.to(device).eval(), tokenizer
 
 

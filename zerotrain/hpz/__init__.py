@@ -39,6 +39,7 @@ from typing import Collection, Dict
 from zerotrain.errors import ZerotrainError
 
 from . import counting as _counters
+from . import grad_reduce as _grad_reduce
 from . import ordering
 from .ordering import HpzOrderingError
 from .verify import HpzVerificationError
@@ -83,7 +84,8 @@ def _check_version() -> str:
     return found
 
 
-def install(mode: str = "ordered", verify: bool = False, *, disable_fixes: Collection[str] = ()) -> None:
+def install(mode: str = "ordered", verify: bool = False, *, grad_reduce: str = "flat",
+            disable_fixes: Collection[str] = ()) -> None:
     """Install (or re-configure) the hpZ fixes. Call before ``zero.Init`` / ``deepspeed.initialize``.
 
     ``mode``: ``"ordered"`` (default, ours), ``"sync"`` (host waits after each
@@ -93,6 +95,8 @@ def install(mode: str = "ordered", verify: bool = False, *, disable_fixes: Colle
     failure; never train with them.
     ``verify``: check every shard against the primary partitions before it is
     read (costs one small all-gather per shard-reading all-gather).
+    ``grad_reduce``: ``"flat"`` (default, DeepSpeed's reduce-scatter over the world) or ``"hierarchical"``
+    (inside the hpZ group first, then across nodes: :mod:`zerotrain.hpz.grad_reduce`).
     ``disable_fixes``: names from :data:`FIXES` to leave unfixed -- for tests
     that demonstrate a defect, never for training.
     Installing again with the same fixes only updates mode/verify.
@@ -100,6 +104,8 @@ def install(mode: str = "ordered", verify: bool = False, *, disable_fixes: Colle
     global _patches, _verify, _fixes
     if mode not in MODES:
         raise ValueError(f"unknown hpZ mode {mode!r}; expected one of {MODES}")
+    if grad_reduce not in _grad_reduce.GRAD_REDUCE_MODES:
+        raise ValueError(f"unknown hpz grad_reduce {grad_reduce!r}; expected one of {_grad_reduce.GRAD_REDUCE_MODES}")
     unknown = set(disable_fixes) - set(FIXES)
     if unknown:
         raise ValueError(f"unknown fixes {sorted(unknown)}; known: {FIXES}")
@@ -113,6 +119,7 @@ def install(mode: str = "ordered", verify: bool = False, *, disable_fixes: Colle
             _fixes = fixes
         ordering.set_mode(mode)
         _verify = bool(verify)
+        _grad_reduce.configure(_patches, grad_reduce)
     if mode in ordering.RACY_MODES:
         msg = (f"zerotrain.hpz: mode {mode!r} restores DeepSpeed's RACY hpZ ordering (DeepSpeed issue #5059"
                f"{', and 0.13.x copy rule' if mode == 'legacy' else ''}): the all-gather may read secondary "

@@ -1,7 +1,9 @@
-"""The ``hpz`` section of the run config: which treatment of hpZ's shard race a run uses, and verification.
+"""The ``hpz`` section of the run config: hpZ's shard-race treatment, verification, gradient reduce, emulation.
 
-It only matters when ``zero.zero_hpz_partition_size`` > 1; the trainer then calls
-``zerotrain.hpz.install(mode=..., verify=...)`` before the model is built (see docs/hpz.md).
+``mode`` and ``verify`` only matter when ``zero.zero_hpz_partition_size`` > 1; the trainer then calls
+``zerotrain.hpz.install(mode=..., verify=...)`` before the model is built. ``emulate_async`` applies to any run on
+the CPU, plain ZeRO-3 included (the reference curve): the trainer installs the emulated asynchronous accelerator
+(:mod:`zerotrain.hpz.emulated_run`) before the process group exists. See docs/hpz.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ class HpzMode(StrEnum):
     ordered = "ordered"  # ours: the all-gather stream waits on an event recorded after each copy
 
 
+class GradReduce(StrEnum):
+    """The members are :data:`zerotrain.hpz.grad_reduce.GRAD_REDUCE_MODES` (a test keeps the two the same)."""
+
+    flat = "flat"  # DeepSpeed's reduce-scatter over the world
+    hierarchical = "hierarchical"  # inside the hpZ group first, then across nodes over 1/hpZ of the data
+
+
 @dataclass
 class HpzConfig:
     """The ``hpz`` section."""
@@ -28,3 +37,13 @@ class HpzConfig:
     verify: bool = False
     """Check every secondary shard against the primary partitions before it is read (costs one small all-gather
     per shard-reading all-gather); a mismatch stops the run with exit code 4."""
+    grad_reduce: GradReduce = GradReduce.flat
+    """Gradient reduce-scatter: flat (DeepSpeed's, over the world) | hierarchical (inside the node over the hpZ group
+    first, then across nodes over 1/hpZ of the data: :mod:`zerotrain.hpz.grad_reduce`). Needs hpZ > 1."""
+    emulate_async: bool = False
+    """CPU only: run under the emulated asynchronous accelerator (zerotrain.hpz.async_emulator), so that hpZ's shard
+    race happens as it would on a GPU (the copy deferred on its stream, fresh shards poisoned) and every racy read is
+    recorded: ``hpz/races`` etc. per logged step, all ranks summed, and a per-rank report in
+    <run dir>/hpz_emulator/. It models ordering, not timing (docs/hpz.md). Needs zero.overlap_comm=true for the race
+    to be possible (otherwise DeepSpeed gathers on the compute stream). A GPU run is refused (exit 2): there the
+    race is real."""

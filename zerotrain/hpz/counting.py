@@ -37,6 +37,7 @@ COUNTER_NAMES = (
     "verify_checks",  # verify mode: shards compared against the primary partitions
     "verify_collectives",  # verify mode: checksum all-gathers issued
     "optimizer_steps",  # ZeRO-3 optimizer steps observed (shards are invalidated after each)
+    "hierarchical_grad_reduces",  # grad_reduce=hierarchical: gradient buckets reduce-scattered in two stages
 )
 
 _lock = threading.Lock()

@@ -35,6 +35,8 @@ from deepspeed.utils import groups as ds_groups
 from .patch import PatchSet
 
 _cache: Dict[int, Any] = {}  # hpZ size -> this rank's intra-node group
+# hpZ size -> this rank's "same local rank" group across the hpZ groups (hierarchical gradient reduction).
+_peer_cache: Dict[int, Any] = {}
 _cache_world: Optional[int] = None  # id of the WORLD group the cache belongs to
 _scope = threading.local()
 
@@ -46,6 +48,7 @@ def _sync_cache_with_world() -> None:
     world = id(tdist.group.WORLD)
     if world != _cache_world:
         _cache.clear()
+        _peer_cache.clear()
         _cache_world = world
 
 
@@ -75,6 +78,26 @@ def create_group(group_size: int) -> None:
                 mine = group
         _cache[size] = mine
     ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = _cache[size]
+
+
+def same_local_rank_group(group_size: int) -> Any:
+    """This rank's group of the ranks holding the same hpZ-local rank in every hpZ group of ``group_size``:
+    ``{i, h+i, 2h+i, ...}`` for local rank i, in that order (its group rank is the hpZ group's index). Used by
+    :mod:`.grad_reduce` for the inter-node stage. Created once per size, collectively like :func:`create_group`."""
+    assert dist.is_initialized()
+    _sync_cache_with_world()
+    size = _effective_size(group_size)
+    if size not in _peer_cache:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % size != 0:
+            raise ValueError(f"hpZ partition size {size} does not divide world size {world}")
+        mine = None
+        for local in range(size):
+            group = dist.new_group(list(range(local, world, size)))
+            if local == rank % size:
+                mine = group
+        _peer_cache[size] = mine
+    return _peer_cache[size]
 
 
 def get_group() -> Optional[Any]:

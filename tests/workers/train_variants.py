@@ -1,0 +1,24 @@
+"""Run several trainings one after another in ONE torchrun launch (each through the real Trainer, as train.py).
+
+A launch costs tens of seconds before the first step on the 2-core test machine; runs that only differ in a few
+keys share one. Each argument is one run's overrides, space-separated; a run repeated with the same run.name
+resumes from the checkpoint the previous one left (train.exit_interval).
+Usage: torchrun ... tests/workers/train_variants.py "key=value key=value" "key=value ..." ...
+"""
+
+import sys
+
+from zerotrain.run_config import parse_args
+from zerotrain.trainer import Trainer
+
+
+def main() -> int:
+    for overrides in sys.argv[1:]:
+        code = Trainer(parse_args(overrides.split())).fit()
+        if code:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
