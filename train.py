@@ -6,6 +6,13 @@
 
 Arguments are ``key=value``: ``recipe=<name>`` picks recipes/<name>.yaml, ``<group>=<name>`` swaps a fragment
 from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted keys override single values.
+
+    python train.py recipe=paper_llama2_70b --plan                     # memory per GPU; starts nothing
+    python train.py --plan --all                                       # every recipe's plan, as a markdown table
+
+Before any process group exists, train.py checks that GPUs it was given are really used (no silent CPU fallback),
+the inputs, and the memory plan (train.memory_check: refuse | warn
+| off against cluster.device_memory_gib).
 """
 
 # First, before any import that takes time (seconds to minutes on a cluster's shared file system): SLURM's time-limit
@@ -45,10 +52,26 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__ + "\nRecipes: " + ", ".join(available(RECIPES_DIR)))
         return 0 if argv else 2
+    flags = {a for a in argv if a.startswith("--")}
+    if flags - {"--plan", "--all"} or ("--all" in flags and "--plan" not in flags):
+        print(f"error: unknown flag(s) {' '.join(sorted(flags))}: train.py takes key=value arguments, --plan and "
+              f"--plan --all", file=sys.stderr)
+        return 2
+    argv = [a for a in argv if not a.startswith("--")]
+    from zerotrain import memory_plan
+    from zerotrain.launch import accelerator_check
     from zerotrain.run_config import parse_args  # the components' sections: imports torch, transformers, DeepSpeed
 
     try:
+        if "--all" in flags:  # every shipped recipe as composed, on its planned world: docs/paper.md's table
+            plans = [memory_plan.plan(parse_args([f"recipe={name}"])) for name in available(RECIPES_DIR)]
+            print(memory_plan.markdown_table(plans))
+            return 0
         cfg = parse_args(argv)  # every key, type and range is checked here, before any process group exists
+        if "--plan" in flags:
+            print(memory_plan.describe(memory_plan.plan(cfg)))
+            return 0
+        accelerator_check.check(cfg.cluster)  # GPUs allocated but DeepSpeed on the CPU: stop, saying what was found
         from zerotrain.run_dir import preflight
 
         finished = preflight(cfg)  # reads only: a relaunch that cannot work, or has nothing to do, writes nothing
@@ -56,6 +79,7 @@ def main(argv: list[str]) -> int:
             if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
                 print(finished)
             return 0
+        memory_plan.check_at_start(cfg)  # the launched world against the device: refuses before any set-up
         check_inputs(cfg)
         from zerotrain import distributed
         from zerotrain.trainer import Trainer

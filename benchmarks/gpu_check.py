@@ -200,16 +200,23 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, peak_tflops:
 
 
 def memory_plan_prediction(shape: TrainShape) -> tuple[float | None, str]:
-    """Slot for the memory plan's predicted peak (GiB) of this run (issue 10's ``train.py --plan``).
+    """The memory plan's per-GPU total (GiB) for this run (``zerotrain.memory_plan``, as ``train.py --plan``):
+    Llama-2-7B with ``shape.layers`` layers, ZeRO-3 on one GPU, bf16, Adam, activation checkpointing, unmasked
+    sdpa, ``shape.micro_batch`` x ``shape.seq_len``. The reserve term (CUDA context, workspaces) is included:
+    compare with the peak *reserved* as well as the peak allocated."""
+    from zerotrain import memory_plan
+    from zerotrain.run_config import Config
 
-    ``zerotrain.memory_plan`` does not exist yet; once it does, call it here with this run's shape (Llama-2-7B,
-    ``shape.layers`` layers, ZeRO-3, one GPU, bf16, ``shape.micro_batch`` x ``shape.seq_len``, checkpointing).
-    """
-    try:
-        import zerotrain.memory_plan  # noqa: F401
-    except ImportError:
-        return None, "n/a: zerotrain.memory_plan does not exist yet"
-    return None, "n/a: zerotrain.memory_plan exists but the GPU check does not call it yet"
+    cfg = Config()  # the schema's model defaults are Llama-2-7B's shape
+    cfg.model.num_layers = shape.layers
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, shape.seq_len)
+    cfg.train.micro_batch_size, cfg.train.seq_len = shape.micro_batch, shape.seq_len
+    cfg.cluster.accelerator = "cuda"
+    p = memory_plan.plan(cfg, memory_plan.World(1, 1, "one GPU"), (None, "not checked"), checkpointing=True)
+    reserve = p.term("reserve")
+    return p.total / GIB, (f"{p.total / GIB:.1f} GiB (states {p.term('model states') / GIB:.1f}, activations "
+                           f"{p.term('activations') / GIB:.1f}, logits+loss {p.term('logits and loss') / GIB:.1f}, "
+                           f"buffers {p.term('buffers') / GIB:.1f}, reserve {reserve / GIB:.1f})")
 
 
 def race_rows(raw: dict) -> list[dict]:
@@ -843,11 +850,12 @@ def train_section(opts: argparse.Namespace) -> dict:
             break
     accel.synchronize()
     seconds = time.perf_counter() - t0
+    plan = (None, "n/a: the tiny CPU shape") if opts.tiny else memory_plan_prediction(shape)
     return {"shape": asdict(shape), "warmup": warmup, "steps": len(losses), "seconds": seconds,
             "tokens": len(losses) * shape.micro_batch * shape.seq_len, "losses": [float(x) for x in losses],
             "flops_per_token": flops, "peak_tflops": metrics.peak_tflops("bf16"),
             "peak_allocated": accel.max_memory_allocated(), "peak_reserved": accel.max_memory_reserved(),
-            "device_total": accel.total_memory(), "plan": memory_plan_prediction(shape),
+            "device_total": accel.total_memory(), "plan": plan,
             "device": metrics.device_name(), "activation_checkpointing": checkpointing}
 
 

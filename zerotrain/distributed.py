@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import StrEnum
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +28,11 @@ from zerotrain.errors import RendezvousError
 from zerotrain.fields import bounded
 
 
+class Accelerator(StrEnum):
+    cpu = "cpu"  # gloo over CPUs (tests, the emulated cluster)
+    cuda = "cuda"  # NVIDIA GPUs, NCCL: train.py refuses to start when DeepSpeed would fall back to the CPU
+
+
 @dataclass
 class ClusterConfig:
     """The ``cluster`` section (``configs/cluster/*.yaml``): the machines' profile."""
@@ -35,6 +41,16 @@ class ClusterConfig:
     """The profile's name (for the record)."""
     peak_tflops: float = bounded(0.0, ge=0)
     """Accelerator peak dense TFLOP/s used for MFU; 0 looks the device up in zerotrain.metrics.PEAK_TFLOPS."""
+    accelerator: Accelerator = Accelerator.cpu
+    """cpu | cuda: what the nodes compute on. cuda makes a CPU fallback at start-up an error (zerotrain.launch
+    .accelerator_check), as do GPUs the job was given (SLURM_GPUS*, CUDA_VISIBLE_DEVICES)."""
+    device_memory_gib: float = bounded(0.0, ge=0, le=4096)
+    """Memory of one device in GiB, for the memory plan (train.py --plan) and its start-up check; 0: a visible
+    CUDA device's own total, or unchecked on the CPU."""
+    nodes: int = bounded(1, ge=1, le=65536)
+    """Nodes the recipe is meant for: the shape ``--plan`` plans for. The start-up check uses the launched job's."""
+    gpus_per_node: int = bounded(1, ge=1, le=1024)
+    """Devices (ranks) per node the recipe is meant for, with ``nodes``."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment for the collective library (NCCL_SOCKET_IFNAME, ...), set before the process group is created;
     a variable already in the job's environment wins."""

@@ -13,6 +13,7 @@ key             section                                                 used by
 ``model``       :class:`zerotrain.models.ModelConfig`                   building the model
 ``data``        :class:`zerotrain.data.loader.DataConfig`               the data loaders
 ``zero``        DeepSpeed's ``zero_optimization`` block, verbatim       DeepSpeed (checked by ``engine.validate_zero``)
+``deepspeed``   other top-level DeepSpeed keys, verbatim                DeepSpeed (``engine.validate_deepspeed_keys``)
 ``hpz``         :class:`zerotrain.hpz.config.HpzConfig`                 ``zerotrain.hpz.install``
 ``optim``       :class:`zerotrain.engine.OptimConfig`                   the optimizer
 ``schedule``    :class:`zerotrain.schedule.ScheduleConfig`              the learning-rate schedule
@@ -41,12 +42,13 @@ from zerotrain.checkpoint import CheckpointConfig
 from zerotrain.comm_accounting import CommConfig
 from zerotrain.data.loader import DataConfig
 from zerotrain.distributed import ClusterConfig
-from zerotrain.engine import OptimConfig, validate_zero
+from zerotrain.engine import OptimConfig, resolve_impl, validate_deepspeed_keys, validate_zero
 from zerotrain.errors import ConfigError
 from zerotrain.evaluation.training_hook import MMLUConfig
 from zerotrain.fields import bounded
 from zerotrain.hpz.config import HpzConfig
 from zerotrain.loggers import WandbConfig
+from zerotrain.memory_plan import MemoryCheck
 from zerotrain.models import ModelConfig, validate_model
 from zerotrain.schedule import ScheduleConfig
 
@@ -115,6 +117,9 @@ class TrainConfig:
     """token | micro_batch: how the loss averages over the trained tokens (labels != -100) of an optimizer step.
     token: the mean over all of them, whatever the split into micro-batches, accumulation steps and ranks;
     micro_batch: each micro-batch's own mean, then averaged (what a plain per-forward mean gives)."""
+    memory_check: MemoryCheck = MemoryCheck.refuse
+    """refuse | warn | off: what train.py does at start-up when the memory plan (zerotrain.memory_plan) exceeds
+    cluster.device_memory_gib. refuse exits with code 2 before any process group; warn starts anyway."""
 
     def log_due(self, step: int) -> bool:
         return step % self.log_interval == 0 or step == self.steps
@@ -133,6 +138,10 @@ class Config:
     zero: dict[str, Any] = field(default_factory=lambda: {"stage": 3})
     """DeepSpeed's zero_optimization block, verbatim (checked by DeepSpeed); zero_hpz_partition_size may be 'auto'
     (devices per node)."""
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    """Other top-level DeepSpeed config keys, merged into the built config (communication_data_type,
+    wall_clock_breakdown, flops_profiler, zero_force_ds_cpu_optimizer, ...), checked by DeepSpeed's own parser;
+    the keys our sections own (batch sizes, zero_optimization, bf16, optimizer, ...) are refused."""
     hpz: HpzConfig = field(default_factory=HpzConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -149,6 +158,8 @@ def validate(cfg: Config) -> None:
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     validate_zero(cfg.zero)
+    validate_deepspeed_keys(cfg.deepspeed)
+    resolve_impl(cfg.optim, cfg.zero, cfg.deepspeed)  # an optimizer impl that cannot work with the zero section
     validate_model(cfg.model)  # also: is the attention implementation installed?
     if (cfg.model.attn_implementation == AttnImplementation.flash_attention_2 and cfg.data.packing
             and cfg.train.micro_batch_size > 1):

@@ -85,6 +85,9 @@ class Trainer:
         self.cfg = cfg
         self.callbacks = list(callbacks)
         distributed.apply_environment(cfg.cluster.env)
+        # Before any set-up: a DeepSpeed op that cannot be built fails now, not after the model is built.
+        self.optimizer_impl = engine_lib.resolve_impl(cfg.optim, cfg.zero, cfg.deepspeed)
+        engine_lib.check_optimizer_available(self.optimizer_impl)
         # hpz.emulate_async: the emulated asynchronous accelerator goes in before the process group exists.
         self.emulation = EmulatedRun.start(cfg.hpz, cfg.zero)
         # Before the slow set-up: a SLURM warning signal arriving with no handler installed would kill the process.
@@ -99,7 +102,7 @@ class Trainer:
         self.ds_config = engine_lib.deepspeed_config(
             cfg.zero, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
             grad_clip=train.grad_clip, precision=train.precision, seed=cfg.run.seed, dp_size=self.dp_size,
-            hpz_size=self.layout.hpz_size)
+            hpz_size=self.layout.hpz_size, extra=cfg.deepspeed)
         # A checkpoint of another world size resumes from its universal copy (made here if needed, before anything
         # is written or built), which DeepSpeed reads only when its config says so at initialize.
         if cfg.checkpoint.resume and checkpoint_convert.prepare_resume(
@@ -126,8 +129,12 @@ class Trainer:
         self.flops_per_token = metrics.flops_per_token(
             metrics.matmul_params(model), cfg.model.num_layers, cfg.model.hidden_size, train.seq_len
         )
-        self.engine = engine_lib.initialize(model, cfg.optim, cfg.schedule, train.steps, self.ds_config)
+        self.engine = engine_lib.initialize(model, cfg.optim, cfg.schedule, train.steps, self.ds_config,
+                                            self.optimizer_impl)
         verify_deepspeed_hpz_groups(self.layout)  # DeepSpeed's real hpZ groups must be intra-node
+        if self.dist.is_main:
+            inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+            log.info("optimizer: %s (optim.impl=%s)", type(inner).__name__, self.optimizer_impl)
         self.device = get_accelerator().current_device_name()
 
         # Periodic evaluations, in the order they run after a step.
