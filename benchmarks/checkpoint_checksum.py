@@ -71,7 +71,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    best = {name: min(v) for name, v in (("torch.save + fsync", plain), ("checksummed save", summed), ("verify", verify))}
+    timings = (("torch.save + fsync", plain), ("checksummed save", summed), ("verify", verify))
+    best = {name: min(v) for name, v in timings}
     gb = nbytes / 1e9
     per_rank = {"1 node x 8 GPUs": LLAMA2_7B_PARAMS * BYTES_PER_PARAM / 8 / 1e9,
                 "8 nodes x 8 GPUs": LLAMA2_7B_PARAMS * BYTES_PER_PARAM / 64 / 1e9}

@@ -41,7 +41,8 @@ def main() -> int:
     ds["train_micro_batch_size_per_gpu"] = ds["gradient_accumulation_steps"] = "auto"
     args = TrainingArguments(
         output_dir=str(run_dir / "hf_trainer"), max_steps=steps, per_device_train_batch_size=cfg.train.micro_batch_size,
-        gradient_accumulation_steps=cfg.train.grad_accum, learning_rate=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+        gradient_accumulation_steps=cfg.train.grad_accum, learning_rate=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
         adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1], adam_epsilon=cfg.optim.eps,
         max_grad_norm=cfg.train.grad_clip, warmup_steps=cfg.schedule.warmup_steps, lr_scheduler_type="cosine",
         optim="adamw_torch", bf16=cfg.train.precision == "bf16", deepspeed=ds, ddp_backend="gloo", report_to=[],

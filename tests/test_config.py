@@ -220,7 +220,8 @@ def test_without_the_range_walker_these_values_compose(monkeypatch):
                                       "train.eval_interval=5", "schedule.min_lr_ratio=1", "run.seed=4294967295"])
 def test_values_at_the_edge_of_their_range_are_accepted(override):
     key, _, text = override.partition("=")
-    assert config.as_container(OmegaConf.select(run_config.compose("tiny_llama", [override]), key)) == yaml.safe_load(text)
+    composed = run_config.compose("tiny_llama", [override])
+    assert config.as_container(OmegaConf.select(composed, key)) == yaml.safe_load(text)
 
 
 def test_hpz_modes_of_the_schema_are_the_modules_modes():

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 import torch
-from tools.launcher import PYTHON, REPO, run
 
+from tools.launcher import PYTHON, REPO, run
 from zerotrain import hpz, metrics
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"

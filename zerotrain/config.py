@@ -78,7 +78,8 @@ def _recipe_path(recipe: str) -> Path:
     path = RECIPES_DIR / f"{recipe}.yaml"
     if not path.is_file():
         options = available(RECIPES_DIR)
-        raise ConfigError(f"recipe={recipe}: no such recipe.{did_you_mean(recipe, options)} Available: {', '.join(options)}")
+        raise ConfigError(f"recipe={recipe}: no such recipe.{did_you_mean(recipe, options)} "
+                          f"Available: {', '.join(options)}")
     return path
 
 

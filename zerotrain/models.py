@@ -47,7 +47,8 @@ class ModelConfig:
     num_kv_heads: int | None = bounded(None, ge=1)
     """Key/value heads, dividing num_heads (grouped-query attention); None: multi-head attention (= num_heads)."""
     intermediate_size: int | None = bounded(None, ge=1)
-    """Width of the MLP; None: the family's default (Llama: SwiGLU's 8/3 * hidden rounded to 256; Falcon: 4 * hidden)."""
+    """Width of the MLP; None: the family's default (Llama: SwiGLU's 8/3 * hidden rounded to 256; Falcon:
+    4 * hidden)."""
     vocab_size: int = bounded(32000, ge=1)
     """Rows of the embedding; at least the tokenizer's vocabulary (checked when the data is opened)."""
     max_seq_len: int = bounded(4096, ge=1)

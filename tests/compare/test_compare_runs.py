@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from compare_helpers import FakeApi, FakeHistoryRun, record, write_run
+
 from tools import compare
 from tools.compare import CompareError
 from tools.launcher import run

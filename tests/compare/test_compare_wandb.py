@@ -11,10 +11,10 @@ import math
 import shutil
 
 import pytest
+from compare_helpers import FakeApi, FakeHistoryRun, offline_history, record
 from omegaconf import OmegaConf
 from wandb.sdk.wandb_run import Run as WandbRun
 
-from compare_helpers import FakeApi, FakeHistoryRun, offline_history, record
 from tools import compare
 from tools.compare import CompareError
 from zerotrain import config

@@ -51,7 +51,7 @@ def _training_text(n_rows: int = 120) -> list[str]:
     """A few KB of MMLU questions in prompt format, so ':' '\\n' 'Answer' are in vocab."""
     texts = []
     for r in read_rows(n_rows):
-        body = r["question"] + "".join(f"\n{l}. {c}" for l, c in zip("ABCD", r["choices"]))
+        body = r["question"] + "".join(f"\n{letter}. {c}" for letter, c in zip("ABCD", r["choices"]))
         texts.append(f"{body}\nAnswer: {'ABCD'[r['answer']]}\n\n")
     # Real Llama/Falcon vocabularies have single tokens for " A".." D"; make sure this
     # small one does too, so the one-row-per-question scoring path is the common one.

@@ -20,11 +20,10 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from mmlu_testlib import MAX_POSITIONS, MMLU_JSONL, ZERO3_CASES
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
-
-from mmlu_testlib import MAX_POSITIONS, MMLU_JSONL, ZERO3_CASES
 
 from zerotrain.evaluation import evaluate, load_mmlu
 

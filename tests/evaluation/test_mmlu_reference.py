@@ -81,7 +81,7 @@ def check_against_reference(char_level: bool, subjects, shots, limit, batch_size
         torch.testing.assert_close(torch.tensor(got.loglikelihoods), torch.tensor(lls), rtol=0, atol=1e-4)
         assert got.prediction == max(range(4), key=lambda j: lls[j])
     n_ok = [lls for _, p, _, lls in reference if p is not None]
-    correct = sum(max(range(4), key=lambda j: l[j]) == r["answer"] for r, p, _, l in reference if p is not None)
+    correct = sum(max(range(4), key=lambda j: lls[j]) == r["answer"] for r, p, _, lls in reference if p is not None)
     assert result.micro.total == len(n_ok)
     assert result.micro.correct == correct
     return result, reference
@@ -94,7 +94,7 @@ def test_matches_plain_reference_bpe_tokenizer():
     assert result.fewer_shots > 0
     assert any(n == SHOTS for _, p, n, _ in reference if p is not None)
     # The reference margins are far above float noise, so argmax is well defined.
-    margins = [sorted(l)[-1] - sorted(l)[-2] for _, p, _, l in reference if p is not None]
+    margins = [sorted(lls)[-1] - sorted(lls)[-2] for _, p, _, lls in reference if p is not None]
     assert min(margins) > 1e-3
 
 

@@ -12,8 +12,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from zerotrain import hpz
 from zerotrain.config import ConfigError
-from zerotrain.run_config import parse_args
 from zerotrain.hpz import grad_reduce
+from zerotrain.run_config import parse_args
 
 GRAD_REDUCE_PATCHES = [
     (coalesced_collectives, "_torch_reduce_scatter_fn"),

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import deepspeed
+import pytest
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.partition_parameters import Init
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator

@@ -12,9 +12,8 @@ import sys
 import time
 import traceback
 
-import torch
-
 import _common as C
+import torch
 
 C.init_dist()
 import deepspeed  # noqa: E402

@@ -14,9 +14,8 @@ import sys
 import time
 import warnings
 
-import torch
-
 import _common as C
+import torch
 
 C.init_dist()
 import deepspeed  # noqa: E402

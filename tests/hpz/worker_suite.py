@@ -16,9 +16,8 @@ import sys
 import time
 import traceback
 
-import torch
-
 import _common as C
+import torch
 import worker_defects  # initialises the process group
 import worker_parity
 import worker_trainer

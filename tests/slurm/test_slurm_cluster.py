@@ -109,7 +109,8 @@ def test_hpz_job_trains_on_two_nodes_with_intra_node_groups(slurm_cluster, jobs)
 
     rank0_log = (workdir / "logs" / f"reference-{jobs['reference']}" / "rank-0.out").read_text()
     layout = layout_from_log(rank0_log)
-    assert layout["node_of_rank"] == NODES_OF_RANKS  # ranks 0-1 on node1, 2-3 on node2 (from each rank's SLURMD_NODENAME)
+    # ranks 0-1 on node1, 2-3 on node2 (from each rank's SLURMD_NODENAME)
+    assert layout["node_of_rank"] == NODES_OF_RANKS
     assert layout["hpz_size"] == 2 and layout["hpz_groups"] == [[0, 1], [2, 3]]
     for group in layout["hpz_groups"]:
         assert len({layout["node_of_rank"][r] for r in group}) == 1, f"hpZ group {group} crosses nodes"

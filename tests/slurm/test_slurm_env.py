@@ -197,7 +197,8 @@ def test_srun_line_for_4_nodes_x_8_gpus_passes_overrides_unchanged():
 def test_gpu_job_without_matching_tasks_per_node_is_refused():
     allocation = {**ALLOCATION_4X8, "SLURM_NTASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1(x4)"}
     env = {"PATH": os.environ["PATH"], "SLURM_SUBMIT_DIR": str(REPO), "ZEROTRAIN_DRY_RUN": "1", **allocation}
-    result = subprocess.run(["bash", str(SBATCH), "llama2_7b"], env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    result = subprocess.run(["bash", str(SBATCH), "llama2_7b"], env=env, cwd=REPO, capture_output=True, text=True,
+                            check=False)
     assert result.returncode == 2 and "add --ntasks-per-node=8" in result.stderr
 
 

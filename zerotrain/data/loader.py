@@ -206,7 +206,8 @@ class PackedExamples(_DocumentSamples):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def open_dataset(path: str | Path, kind: str, vocab_size: Optional[int] = None, verify: str = "checksums") -> PreparedDataset:
+def open_dataset(path: str | Path, kind: str, vocab_size: Optional[int] = None,
+                 verify: str = "checksums") -> PreparedDataset:
     """Open a prepared directory and check it suits this run (kind, and a tokenizer that fits the model)."""
     dataset = PreparedDataset(path, verify=verify)
     if dataset.kind != kind:

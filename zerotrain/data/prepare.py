@@ -4,7 +4,8 @@
 
 1. Records come from local files (:mod:`zerotrain.data.sources`) or a Hugging Face dataset.
 2. The tokenizer is loaded (``tokenizer=`` a tokenizer.model, tokenizer.json, model dir or prepared data dir), or
-   trained on the train split's text when ``tokenizer.path`` is unset (Llama-2 settings, ``tokenizer.train_vocab_size``).
+   trained on the train split's text when ``tokenizer.path`` is unset (Llama-2 settings,
+   ``tokenizer.train_vocab_size``).
 3. Each record goes to ``valid`` when a keyed hash of its content falls below ``valid_fraction`` (deterministic,
    independent of order, and duplicates always land on the same side), else to ``train``.
 4. Pretraining documents are framed as ``[BOS] text EOS`` (BOS only when ``add_bos`` and the tokenizer has a BOS

@@ -87,7 +87,8 @@ def messages_of(record: Record, fields: SftFields = SftFields()) -> list[dict[st
                     f"fields (found: {keys}); set prompt_field=, response_field= or messages_field=")
 
 
-def render(messages: list[dict[str, str]], template: str, tokenizer: Tokenizer, add_bos: bool, where: str) -> list[Part]:
+def render(messages: list[dict[str, str]], template: str, tokenizer: Tokenizer, add_bos: bool,
+           where: str) -> list[Part]:
     if template == "llama2":
         return _render_llama2(messages, tokenizer, add_bos, where)
     if template == "plain":

@@ -91,7 +91,8 @@ class SplitWriter:
 
     def _start_shard(self) -> dict:
         stem = f"{self.split}/{len(self.shards):06d}"
-        files = {"tokens": _HashedFile(self.root / f"{stem}.tokens.bin"), "docs": _HashedFile(self.root / f"{stem}.docs.bin")}
+        files = {"tokens": _HashedFile(self.root / f"{stem}.tokens.bin"),
+                 "docs": _HashedFile(self.root / f"{stem}.docs.bin")}
         if self.with_mask:
             files["mask"] = _HashedFile(self.root / f"{stem}.mask.bin")
         files["docs"].write(np.zeros(1, OFFSET_DTYPE))

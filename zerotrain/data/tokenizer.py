@@ -517,7 +517,8 @@ def train_sentencepiece(
     except RuntimeError as e:
         raise DataError(
             f"training a {vocab_size}-token sentencepiece tokenizer on this text failed: {e}. With little text or "
-            f"few distinct characters, lower tokenizer.train_vocab_size (it must exceed 259 + the number of distinct characters)"
+            f"few distinct characters, lower tokenizer.train_vocab_size (it must exceed 259 + the number of distinct "
+            f"characters)"
         ) from None
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_bytes(model.getvalue())

@@ -23,8 +23,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 import deepspeed.comm as dist
+import torch
 
 from zerotrain.errors import HpzVerificationError
 
