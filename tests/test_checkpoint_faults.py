@@ -166,7 +166,7 @@ def test_a_changed_model_shape_is_refused_before_anything_is_written(one_rank_ru
     assert f"run.name={run_dir.name} resumes from {run_dir / 'checkpoints' / 'step_00000002'}, but these keys" in err
     assert "model.hidden_size: 64 -> 128" in err and "optim.lr: " in err
     assert "(also changed, which is allowed: run.output_dir, train.steps)" in err and "Nothing was written" in err
-    assert "Keys that may change on resume: run.output_dir, run.recipe, train.steps" in err
+    assert "Keys that may change on resume: run.output_dir, run.name, run.recipe, train.steps" in err
     assert "Traceback" not in err and "size of tensor" not in err
     assert snapshot(run_dir) == before, "config.yaml (and everything else) must be as it was"
 
