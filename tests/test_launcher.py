@@ -88,8 +88,17 @@ def test_negative_control_killing_the_process_group_leaves_an_own_session_grandc
     assert_gone([grandchild])
 
 
+@pytest.fixture
+def python_sigint_handler():
+    """A suite started in the background (`make test &`) inherits SIGINT ignored, and then interrupt_main() does
+    nothing: Python's own Ctrl-C handler for the test, the inherited one restored after it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("grandchild", GRANDCHILD)
-def test_ctrl_c_kills_the_tree(tmp_path, grandchild):
+def test_ctrl_c_kills_the_tree(tmp_path, grandchild, python_sigint_handler):
     pidfile = tmp_path / "pids"
     found: list[int] = []
 

@@ -170,15 +170,16 @@ def test_start_up_check_refuses_warns_or_passes():
     assert mp.check_at_start(tiny, env).fits is True
 
 
-def test_train_py_plan_and_refusal_before_any_process_group():
+def test_train_py_plan_and_refusal_before_any_process_group(tmp_path):
     out = run([PYTHON, "train.py", "recipe=tiny_llama", "cluster.device_memory_gib=2", "--plan"], timeout=300)
     assert out.returncode == 0, out.stderr
     for term in ("model states", "hpZ secondary shard", "activations", "logits and loss", "buffers", "reserve",
                  "total", "with activation checkpointing"):
         assert term in out.stdout
     assert "fits" in out.stdout
-    refused = run([PYTHON, "train.py", "recipe=tiny_llama", "cluster.device_memory_gib=0.001", "train.steps=1"],
-                  timeout=300, check=False)
+    # In a run directory of its own: the demo's (runs/tiny-llama) may hold a finished run, which would say so first.
+    refused = run([PYTHON, "train.py", "recipe=tiny_llama", "cluster.device_memory_gib=0.001", "train.steps=1",
+                   f"run.output_dir={tmp_path}"], timeout=300, check=False)
     assert refused.returncode == 2, refused.stderr
     assert "error: memory plan" in refused.stderr and "train.memory_check=warn" in refused.stderr
     assert "rendezvous" not in refused.stderr.lower()  # it stopped before distributed start-up
