@@ -1,6 +1,8 @@
 """Every test process, and every process it launches, runs with the CPU environment of tools/launcher.py."""
 
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,3 +24,25 @@ def prepare_shipped_corpus(out_dir: Path, vocab_size: int = 2048) -> Path:
 def shakespeare(tmp_path_factory):
     """The shipped corpus prepared once per test session (tokenizer of 2048 pieces, 2% validation split)."""
     return prepare_shipped_corpus(tmp_path_factory.mktemp("prepared") / "shakespeare")
+
+
+def _tmpfs(mount: Path, options: str, needs: str) -> Iterator[Path]:
+    """A real tmpfs mounted at ``mount`` for one test (root only: skipped otherwise), unmounted after it."""
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip(f"needs root to mount {needs}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 10 MB tmpfs: room for two checkpoints of the tiny model, not three."""
+    yield from _tmpfs(tmp_path / "disk", "size=10m", "a small tmpfs")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """``tmp_path / "ro"``: a read-only file system."""
+    yield from _tmpfs(tmp_path / "ro", "ro,size=1m", "a read-only file system")

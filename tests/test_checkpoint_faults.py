@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,18 +28,6 @@ CKPT_FILES_MB = 4.3  # one checkpoint of the tiny Llama: 2 x 2.1 MB of optimizer
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if "loss" in r}
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 10 MB tmpfs: room for two checkpoints of the tiny model, not three."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_full_disk_fails_clearly_removes_the_partial_save_and_keeps_latest(small_disk, shakespeare):

@@ -4,7 +4,6 @@ to what a user needs (its deprecated-collective warnings hidden, its one-off JIT
 from __future__ import annotations
 
 import os
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -25,17 +24,6 @@ def test_a_file_where_the_run_directory_or_a_parent_goes_is_refused(tmp_path):
             check_writable(run_dir)
     check_writable(tmp_path / "missing" / "parents" / "run")  # created later, as before, under a writable directory
     assert not (tmp_path / "missing").exists(), "the check only reads"
-
-
-@pytest.fixture
-def read_only_dir(tmp_path):
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a read-only file system")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_read_only_output_directory_is_refused(read_only_dir):
