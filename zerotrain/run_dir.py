@@ -37,11 +37,6 @@ MAY_CHANGE_ON_RESUME = (
 BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.grad_accum")
 
 
-def _launched_world_size() -> int:
-    """The number of ranks this launch will have, before any process group exists (torchrun or srun)."""
-    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
-
-
 def run_directory(cfg: Any) -> Path:
     return Path(cfg.run.output_dir) / cfg.run.name
 
@@ -91,10 +86,11 @@ def check_resumable(cfg: Any, tag_dir: Path, saved_yaml: str, saved_world_size: 
     refused = {key: values for key, values in changed.items() if not _may_change(key)}
     if saved_world_size is not None and set(refused) & set(BATCH_SPLIT_KEYS):
         from zerotrain.checkpoint_convert import GlobalBatch, check_global_batch, saved_global_batch
+        from zerotrain.memory_plan import launched_world
 
         saved = saved_global_batch({"config": saved_yaml, "world_size": saved_world_size})
         check_global_batch(tag_dir, saved, GlobalBatch(cfg.train.micro_batch_size, cfg.train.grad_accum,
-                                                       _launched_world_size()))
+                                                       launched_world().gpus))
         refused = {key: values for key, values in refused.items() if key not in BATCH_SPLIT_KEYS}
     if not refused:
         return
