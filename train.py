@@ -92,6 +92,14 @@ def main(argv: list[str]) -> int:
     except ZerotrainError as e:  # each error type carries its exit code (zerotrain/errors.py)
         report(e)  # printed once (rank 0) under torchrun; every rank's code and message reach the launcher
         return e.exit_code
+    except RuntimeError as e:  # a backend's timeout, raised from deep inside a collective: say which key bounds it
+        from zerotrain.distributed import collective_timeout
+
+        timeout = collective_timeout(e)
+        if timeout is None:
+            raise
+        report(timeout)
+        return timeout.exit_code
     finally:
         ignore_stop_signals()  # the outcome is decided: a SIGTERM while Python tears down must not turn it into 143
 

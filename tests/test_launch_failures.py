@@ -7,6 +7,8 @@ killed during start-up, a rank that never joins. Real train.py, real torchrun, r
 * Under ``python -m zerotrain.launch.torchrun`` the run exits with the failed rank's code (2, 75, 128+n), a user
   error is printed once, and a rank killed during start-up is named (plain torchrun: exit 1 for all of them).
 * A rank whose peer never joins fails after ``cluster.init_timeout_s`` with a message instead of hanging.
+* A rank stopped (SIGSTOP) during training ends the run after ``cluster.collective_timeout_s``, exit 5, with a
+  message naming the key (the control: with the default 30 minutes the run is still waiting).
 """
 
 from __future__ import annotations
@@ -98,6 +100,36 @@ def test_rank_killed_during_a_step_is_named_and_ends_the_run(shakespeare, tmp_pa
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
     assert "rank 1 (local rank 1, pid" in proc.stderr and "was killed by SIGKILL" in proc.stderr
     assert ended < 60, f"the run took {ended:.0f} s to end after rank 1 died"
+
+
+# ---- a rank that stops during training ----------------------------------------------------------------------------
+
+
+def stopped_rank_run(shakespeare, tmp_path: Path, *args: str, timeout: float):
+    """A 2-rank run whose rank 1 is SIGSTOPped once the first step is logged; returns (process, seconds from the
+    signal to the run's end). The launcher's timeout kills the whole tree (SIGKILL ends a stopped process too)."""
+    marker, env = marked()
+    metrics = tmp_path / "t" / "metrics.jsonl"
+    signaller = Signaller(marker, 1, signal.SIGSTOP, ready=lambda _pid: metrics.exists() and metrics.read_text())
+    run_args = [*TINY, "train.steps=500", f"data.train.0.path={shakespeare}", f"run.output_dir={tmp_path}",
+                "run.name=t", *args]
+    try:
+        proc = run([*WRAPPER, "--nproc_per_node=2", "train.py", *run_args], env=env, check=False, timeout=timeout)
+    finally:
+        signaller.result(timeout=timeout)
+    return proc, time.monotonic() - signaller.sent_at
+
+
+def test_a_stopped_rank_ends_the_run_after_the_collective_timeout(shakespeare, tmp_path):
+    proc, ended = stopped_rank_run(shakespeare, tmp_path, "cluster.collective_timeout_s=10", timeout=600)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert "a collective waited 10 s (cluster.collective_timeout_s)" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0:" in proc.stderr and "Traceback" not in proc.stderr
+    assert ended < 60, f"the run took {ended:.0f} s to end after rank 1 stopped"
+
+    # Negative control: with the default (30 minutes) the same run is still waiting well past that moment.
+    with pytest.raises(LaunchTimeout):
+        stopped_rank_run(shakespeare, tmp_path / "default", timeout=ended + 30)
 
 
 # ---- a rank that never joins -------------------------------------------------------------------------------------

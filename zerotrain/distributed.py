@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import sys
 import warnings
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zerotrain.errors import RendezvousError
+from zerotrain.errors import CollectiveTimeout, RendezvousError
 from zerotrain.fields import bounded
 
 
@@ -57,8 +58,14 @@ class ClusterConfig:
     init_timeout_s: float = bounded(300.0, ge=5, le=3600)
     """How long a rank waits for the others while the process group forms (reaching rank 0, then every rank
     joining) before it fails with a message instead of hanging: a rank that died during start-up. Rank 0's imports
-    on a cold shared file system can take minutes, hence not less by default. Collectives after start-up keep
-    torch's 30-minute timeout (a slow checkpoint save is not a hang). $ZEROTRAIN_RENDEZVOUS_TIMEOUT, if set, wins."""
+    on a cold shared file system can take minutes, hence not less by default. Collectives after start-up are bounded
+    by ``collective_timeout_s`` instead. $ZEROTRAIN_RENDEZVOUS_TIMEOUT, if set, wins."""
+    collective_timeout_s: float = bounded(1800.0, ge=10, le=86400)
+    """How long any collective after start-up (every process group: the world, hpZ's, DeepSpeed's) may wait for a
+    rank before the waiting ranks fail with a message naming this key (exit 5) instead of hanging: a rank that is
+    stopped (SIGSTOP, a debugger), hangs in its own code or lost its node. Default torch's 30 minutes: a checkpoint
+    save on a slow shared file system holds the other ranks in a barrier for many minutes without anything being
+    wrong, so set it above the longest save. Under NCCL torch's watchdog enforces it (and aborts the process)."""
 
 
 @dataclass(frozen=True)
@@ -95,14 +102,11 @@ def apply_environment(env: Mapping[str, str]) -> None:
         os.environ.setdefault(str(key), str(value))
 
 
-# After start-up, collectives keep torch's default for non-NCCL groups (and DeepSpeed's): a save on a slow file
-# system can hold the other ranks in a barrier for many minutes without anything being wrong.
-COLLECTIVE_TIMEOUT = timedelta(minutes=30)
-
-
-def init(init_timeout_s: float = 300.0) -> DistInfo:
+def init(init_timeout_s: float = 300.0, collective_timeout_s: float = 1800.0) -> DistInfo:
     """Create the world process group through DeepSpeed (gloo on the CPU, NCCL on GPUs), failing within about
-    ``init_timeout_s`` (``cluster.init_timeout_s``) with a :class:`RendezvousError` when the ranks do not all join."""
+    ``init_timeout_s`` (``cluster.init_timeout_s``) with a :class:`RendezvousError` when the ranks do not all join;
+    afterwards every collective, on this group and on every group created later, is bounded by
+    ``collective_timeout_s`` (``cluster.collective_timeout_s``: :func:`set_collective_timeout`)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -134,12 +138,50 @@ def init(init_timeout_s: float = 300.0) -> DistInfo:
                 f"(cluster.init_timeout_s): a rank died or hangs in its start-up; its log says which and why "
                 f"(under srun: the 'task N' srun reports as exited). torch: {str(e).splitlines()[0]}"
             ) from None
-        dist.distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)  # the start-up bound is not a collective bound
+    set_collective_timeout(collective_timeout_s)  # the start-up bound is not a collective bound
     return DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=local_rank,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+    )
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Bound every collective by ``seconds``: the world group now, and every group created later.
+
+    torch gives a group created without an explicit timeout (hpZ's groups, DeepSpeed's, ours) the module-level
+    defaults ``default_pg_timeout`` / ``default_pg_nccl_timeout`` of ``torch.distributed.distributed_c10d``, read when
+    the group is created (``_get_default_timeout``); setting them is the one place that reaches groups DeepSpeed
+    creates without a timeout argument. The world group already exists, so its timeout is set directly."""
+    timeout = timedelta(seconds=seconds)
+    c10d = dist.distributed_c10d
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
+    c10d._set_pg_timeout(timeout)
+
+
+# gloo: "Timed out waiting 10000ms for recv operation to complete"; NCCL's watchdog: "... ran for 600000 milliseconds
+# before timing out"; torch's store/barrier: "Socket Timeout".
+_TIMEOUT_MESSAGE = re.compile(r"Timed out waiting \d+ ?ms|milliseconds before timing out|Socket Timeout|timed out")
+
+
+def collective_timeout(error: BaseException) -> Optional[CollectiveTimeout]:
+    """The :class:`CollectiveTimeout` a timed-out collective's exception means, or None for any other exception.
+
+    Called on an exception that reached train.py's top level after the process group formed; its message names the
+    rank that waited, the key and what to look at, instead of a backend traceback on every rank."""
+    if not isinstance(error, RuntimeError) or not _TIMEOUT_MESSAGE.search(str(error)):
+        return None
+    if not dist.is_initialized():
+        return None
+    seconds = dist.distributed_c10d._get_default_timeout(dist.get_backend()).total_seconds()
+    first = str(error).strip().splitlines()[0][:300]
+    return CollectiveTimeout(
+        f"rank {dist.get_rank()}: a collective waited {seconds:g} s (cluster.collective_timeout_s) for a rank that "
+        f"did not take part: that rank is stopped, hangs or lost its node (its log and `py-spy dump` on its pid say "
+        f"where); raise cluster.collective_timeout_s if a step or a checkpoint save legitimately takes longer. "
+        f"Backend: {first}"
     )
 
 

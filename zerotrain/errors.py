@@ -8,6 +8,7 @@ package raises one of these types (or a subclass defined next to the code that r
 2     a problem the user can fix: config, data, checkpoint, storage, node layout, rendezvous, SLURM env
 3     training diverged (a non-finite loss under ``train.nan_policy=stop``); the last checkpoint is untouched
 4     ``hpz.verify=true`` found a secondary shard that differs from its primary partitions
+5     a collective timed out (``cluster.collective_timeout_s``): another rank is stopped, hung or lost
 75    preempted: a checkpoint was saved, requeue the job (``slurm/train.sbatch`` does)
 ====  ====================================================================================================
 
@@ -22,6 +23,7 @@ EXIT_OK = 0
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
 EXIT_HPZ_VERIFICATION = 4
+EXIT_COLLECTIVE_TIMEOUT = 5
 EXIT_REQUEUE = 75
 
 
@@ -74,3 +76,10 @@ class HpzVerificationError(ZerotrainError, RuntimeError):
     """A secondary shard disagrees with the primary partitions it should mirror."""
 
     exit_code = EXIT_HPZ_VERIFICATION
+
+
+class CollectiveTimeout(ZerotrainError, RuntimeError):
+    """A collective waited ``cluster.collective_timeout_s`` for a rank that did not take part; the message names the
+    waiting rank and the key."""
+
+    exit_code = EXIT_COLLECTIVE_TIMEOUT

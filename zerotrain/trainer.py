@@ -92,7 +92,7 @@ class Trainer:
         self.emulation = EmulatedRun.start(cfg.hpz, cfg.zero)
         # Before the slow set-up: a SLURM warning signal arriving with no handler installed would kill the process.
         self.preemption = PreemptionHandler()
-        self.dist = distributed.init(cfg.cluster.init_timeout_s)
+        self.dist = distributed.init(cfg.cluster.init_timeout_s, cfg.cluster.collective_timeout_s)
         setup_console(self.dist.rank)
         self.layout = resolve_layout(cfg.zero.get("zero_hpz_partition_size", 1))
         self.dp_size = self.dist.world_size  # ZeRO-3 is pure data parallelism: every rank is a DP rank
