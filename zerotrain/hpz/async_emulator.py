@@ -602,7 +602,7 @@ class _Emulator:
         if t.device.type != "cpu" or not self._pending:
             return t
         state = self._pending.get(_key(t))
-        if state is None:
+        if state is None or self.shard_id(t) is None:  # not shard memory, or outside a pool shard's byte range
             return t
         unordered = [w for w in state.writes if not self._ordered(reader, w)]
         if not unordered:
