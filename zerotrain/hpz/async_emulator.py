@@ -19,10 +19,17 @@ The model
   ``handles_memory_backpressure()`` are False, so DeepSpeed takes its CUDA branches
   (docs/hpz.md lists them). ``Stream``/``Event``/``stream()``/``current_stream()``
   (per thread, like CUDA's)/``default_stream()``/``synchronize()`` are its own.
-* Streams are FIFO queues. Writes into hpZ secondary shards -- ``copy_``, ``zero_``,
-  ``fill_`` into memory allocated while ``Init._partition_param_sec`` runs -- are
-  really deferred: enqueued on the writing thread's current stream. Fresh shard
-  memory is filled with a poison value, as ``torch.empty`` leaves garbage.
+* Streams are FIFO queues. Writes into hpZ secondary shards are really deferred:
+  enqueued on the writing thread's current stream. Shard memory is what is
+  allocated while ``Init._partition_param_sec`` runs, plus the byte range of a
+  ``ds_secondary_tensor`` carved from memory made earlier (a pool, a flat buffer),
+  adopted at the first write into it in the build. A write is any aten op whose
+  schema marks an argument written (``Tensor(a!)``: in-place, ``out=``, TensorLists)
+  -- ``copy_``, slice assignment, ``fill_``, ``cat(out=)``, ``index_copy_``,
+  ``add(out=)``, ``_foreach_copy_``, ... -- found from the schema, not a list of names.
+  One the emulator cannot defer (a call writing shard and other memory together, or
+  returning a new tensor) raises :class:`EmulatorError` naming the op. Shard memory is
+  filled with a poison value, as ``torch.empty`` (or a recycled block) leaves garbage.
 * A deferred write becomes visible by CUDA's rules only: to later work on the same
   stream (program order); to another stream after it waited on an event recorded
   after the write (``wait_event``) or on the writing stream (``wait_stream``),
