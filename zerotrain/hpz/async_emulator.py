@@ -450,7 +450,8 @@ class _Emulator:
         written = _written_arguments(func)
         if not written:
             return None
-        targets = [t for i, name in written for t in _tensors(_argument(args, kwargs, i, name)) if t.device.type == "cpu"]
+        targets = [t for i, name in written for t in _tensors(_argument(args, kwargs, i, name))
+                   if t.device.type == "cpu"]
         if getattr(_tls, "building", False):
             secondary = getattr(getattr(_tls, "param", None), "ds_secondary_tensor", None)
             if isinstance(secondary, torch.Tensor) and any(_key(t) == _key(secondary) for t in targets):
