@@ -259,3 +259,72 @@ def test_report_counts_stream_operations(accel):
     assert ops["wait_stream"] == {"side<-default": 1} and ops["stream_synchronize"] == {"side": 1}
     emu.reset()
     assert emu.report()["ops"] == {} and emu.races() == []
+
+
+# ----------------------------------------------------------------------------- every form of a write (issue 17)
+
+
+def _pool_shard(param) -> torch.Tensor:
+    """A shard carved from a flat buffer allocated before the build (DeepSpeed's pool/flat-buffer builders)."""
+    pool = torch.zeros(18)
+    with emu.shard_build(param):
+        param.ds_secondary_tensor = pool.narrow(0, 6, 6)
+        param.ds_secondary_tensor.copy_(DATA)
+    param._pool = pool
+    return param.ds_secondary_tensor
+
+
+WRITE_FORMS = {
+    "copy_": lambda s: s.copy_(DATA),
+    "slice_assignment": lambda s: s.__setitem__(slice(None), DATA),
+    "fill_": lambda s: s.fill_(2.0),
+    "zero_": lambda s: s.zero_(),
+    "cat_out": lambda s: torch.cat([DATA[:3], DATA[3:]], out=s),
+    "index_copy_": lambda s: s.index_copy_(0, torch.arange(6), DATA),
+    "add_out": lambda s: torch.add(DATA, 1.0, out=s),
+    "foreach_copy_": lambda s: torch._foreach_copy_([s], [DATA]),
+}
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+@pytest.mark.parametrize("form", [*WRITE_FORMS, "pool_shard"])
+def test_every_form_of_a_shard_write_is_deferred_and_ordered_only_by_an_event(accel, form, ordered):
+    param = torch.nn.Parameter(DATA.clone(), requires_grad=False)
+    param.ds_id = 7
+    allgather = accel.Stream(name="allgather")
+    if form == "pool_shard":
+        shard = _pool_shard(param)
+    else:
+        with emu.shard_build(param):
+            shard = param.ds_secondary_tensor = torch.empty(6)
+            WRITE_FORMS[form](shard)
+    event = accel.Event()
+    event.record()  # after the write, on the writing stream
+    if ordered:
+        allgather.wait_event(event)
+    got = read_on(allgather, shard)
+    report = emu.report()
+    accel.synchronize()
+    expected = shard.clone()
+    if ordered:
+        assert report["races"] == 0 and torch.equal(got, expected)
+    else:
+        assert report["races"] == 1 and torch.all(got == POISON) and report["racy_params"] == [7]
+    assert report["ops"]["deferred_write"] == {"default": 1}
+
+
+def test_a_pool_shard_is_tracked_by_byte_range_not_the_whole_pool(accel):
+    param = torch.nn.Parameter(DATA.clone(), requires_grad=False)
+    shard = _pool_shard(param)
+    param._pool[:6].copy_(DATA)  # the pool outside the shard: not shard memory, runs at once
+    assert emu.report()["ops"]["deferred_write"] == {"default": 1}
+    outside, inside = read_on(accel.Stream(), param._pool[:6]), read_on(accel.Stream(), shard)
+    assert emu.report()["races"] == 1  # the shard read only
+    # (Compared only now: torch.equal is a host sync of the writing stream.)
+    assert torch.equal(outside, DATA) and torch.all(inside == POISON)
+
+
+def test_a_write_into_shard_and_other_memory_at_once_is_refused_naming_the_op(accel):
+    shard, other = fresh_shard(), torch.empty(6)
+    with pytest.raises(emu.EmulatorError, match="_foreach_copy_.*does not model it"):
+        torch._foreach_copy_([shard, other], [DATA, DATA])

@@ -19,10 +19,17 @@ The model
   ``handles_memory_backpressure()`` are False, so DeepSpeed takes its CUDA branches
   (docs/hpz.md lists them). ``Stream``/``Event``/``stream()``/``current_stream()``
   (per thread, like CUDA's)/``default_stream()``/``synchronize()`` are its own.
-* Streams are FIFO queues. Writes into hpZ secondary shards -- ``copy_``, ``zero_``,
-  ``fill_`` into memory allocated while ``Init._partition_param_sec`` runs -- are
-  really deferred: enqueued on the writing thread's current stream. Fresh shard
-  memory is filled with a poison value, as ``torch.empty`` leaves garbage.
+* Streams are FIFO queues. Writes into hpZ secondary shards are really deferred:
+  enqueued on the writing thread's current stream. Shard memory is what is
+  allocated while ``Init._partition_param_sec`` runs, plus the byte range of a
+  ``ds_secondary_tensor`` carved from memory made earlier (a pool, a flat buffer),
+  adopted at the first write into it in the build. A write is any aten op whose
+  schema marks an argument written (``Tensor(a!)``: in-place, ``out=``, TensorLists)
+  -- ``copy_``, slice assignment, ``fill_``, ``cat(out=)``, ``index_copy_``,
+  ``add(out=)``, ``_foreach_copy_``, ... -- found from the schema, not a list of names.
+  One the emulator cannot defer (a call writing shard and other memory together, or
+  returning a new tensor) raises :class:`EmulatorError` naming the op. Shard memory is
+  filled with a poison value, as ``torch.empty`` (or a recycled block) leaves garbage.
 * A deferred write becomes visible by CUDA's rules only: to later work on the same
   stream (program order); to another stream after it waited on an event recorded
   after the write (``wait_event``) or on the writing stream (``wait_stream``),
@@ -301,10 +308,40 @@ class _PendingShard:
     pre_image: Any = None  # the storage before its first early-executed write (what a racy read sees)
 
 
-_WRITE_OPS = frozenset({
-    torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar,
-    torch.ops.aten.fill_.Tensor
-})
+# Ops whose written argument changes metadata, not data (a view re-pointed, a tensor re-seated).
+_METADATA_WRITE_OPS = frozenset({"aten::set_", "aten::resize_", "aten::resize_as_", "aten::detach_"})
+
+
+@functools.lru_cache(maxsize=None)
+def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument the op's schema marks as written (``Tensor(a!)``, ``out=``)."""
+    if func.namespace != "aten" or torch.Tag.inplace_view in func.tags or func._schema.name in _METADATA_WRITE_OPS:
+        return ()
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
+    return args[position] if position < len(args) else kwargs.get(name)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``t`` can touch: [start, end)."""
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.storage_offset() * t.element_size()
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return (start, start + extent * t.element_size())
+
+
 _ALLOC_OPS = frozenset({
     torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default,
     torch.ops.aten.new_empty_strided.default
@@ -361,7 +398,8 @@ class _Emulator:
     def __init__(self, poison: float):
         self.poison = poison
         self._streams: weakref.WeakSet[EmulatedStream] = weakref.WeakSet()
-        self._shards: dict[int, tuple[Any, int | None]] = {}  # storage key -> (weakref to storage, ds_id)
+        # storage key -> (weakref to storage, ds_id, byte ranges of shard memory in it; None: all of it)
+        self._shards: dict[int, tuple[Any, int | None, list[tuple[int, int]] | None]] = {}
         self._pending: dict[int, _PendingShard] = {}
         self._races: list[Race] = []
         self._counts: collections.Counter = collections.Counter()
@@ -381,7 +419,54 @@ class _Emulator:
         entry = self._shards.get(key) if key is not None else None
         if entry is None or entry[0]() is not t.untyped_storage():
             return None
+        if entry[2] is not None:
+            start, end = _byte_range(t)
+            if not any(start < e and s < end for s, e in entry[2]):
+                return None
         return key
+
+    def adopt_secondary(self, t: torch.Tensor, param_id: int | None) -> None:
+        """Shard memory DeepSpeed did not allocate in this build (a pool, a flat buffer): track its byte range.
+
+        Poisoned like fresh memory -- a recycled block holds stale data on a GPU.
+        """
+        if t.numel() == 0 or self.shard_id(t) is not None:
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        entry = self._shards.get(key)
+        if entry is None or entry[0]() is not storage:
+            entry = (weakref.ref(storage), param_id, [])
+            weakref.finalize(storage, self._forget_shard, key)
+        if entry[2] is None:
+            return
+        self._shards[key] = (entry[0], param_id, [*entry[2], _byte_range(t)])
+        with _executing():
+            _fill_poison(t, self.poison)
+        self._count("adopted_shard", self.current_stream().name)
+
+    def shard_writes(self, func: Any, args: tuple, kwargs: dict) -> int | None:
+        """The storage key of the shard ``func`` writes, or None; an error for a write it cannot defer."""
+        written = _written_arguments(func)
+        if not written:
+            return None
+        targets = [t for i, name in written for t in _tensors(_argument(args, kwargs, i, name))
+                   if t.device.type == "cpu"]
+        if getattr(_tls, "building", False):
+            secondary = getattr(getattr(_tls, "param", None), "ds_secondary_tensor", None)
+            if isinstance(secondary, torch.Tensor) and any(_key(t) == _key(secondary) for t in targets):
+                self.adopt_secondary(secondary, getattr(_tls.param, "ds_id", None))
+        keys = [self.shard_id(t) for t in targets]
+        shard_keys = {k for k in keys if k is not None}
+        if not shard_keys:
+            return None
+        if len(shard_keys) > 1 or None in keys:
+            raise EmulatorError(f"{func} writes hpZ shard memory together with other memory in one call; the "
+                                f"emulator defers a write into one shard storage only and does not model it")
+        if any(r.alias_info is None for r in func._schema.returns):
+            raise EmulatorError(f"{func} writes hpZ shard memory and returns a new tensor; the emulator cannot "
+                                f"defer it and does not model it")
+        return shard_keys.pop()
 
     def register_shard(self, t: torch.Tensor, param_id: int | None = None) -> None:
         """Fresh shard memory: poison it (it is garbage on a GPU) and watch every write into it."""
@@ -391,7 +476,7 @@ class _Emulator:
             _fill_poison(t, self.poison)
         storage = t.untyped_storage()
         key = storage._cdata
-        self._shards[key] = (weakref.ref(storage), param_id)
+        self._shards[key] = (weakref.ref(storage), param_id, None)
         weakref.finalize(storage, self._forget_shard, key)
         self._count("poisoned_allocation", self.current_stream().name)
 
@@ -406,12 +491,13 @@ class _Emulator:
             return
         key = self.shard_id(t)
         if key is not None:
-            self._shards[key] = (self._shards[key][0], param_id)
+            self._shards[key] = (self._shards[key][0], param_id, self._shards[key][2])
             if key in self._pending:
                 self._pending[key].param_id = param_id
 
     # -- writes
-    def defer(self, func: Any, args: tuple, kwargs: dict, key: int) -> None:
+    def defer(self, func: Any, args: tuple, kwargs: dict, key: int) -> Any:
+        """Enqueue the write on the current stream; return what the op would (the written arguments)."""
         stream = self.current_stream()
         write = _DeferredWrite(seq=stream._enqueued, stream=stream, func=func, args=args, kwargs=kwargs, key=key,
                                frontier=dict(stream._frontier))
@@ -423,13 +509,30 @@ class _Emulator:
         stream._enqueued += 1
         stream._queue.append(write)
         state = self._pending.get(key)
+        if state is not None:
+            unordered = [w for w in state.writes if not self._ordered(stream, w)]
+            if unordered:
+                self._record("write", key, stream, unordered[0].stream, func)
         if state is None:
-            state = self._pending[key] = _PendingShard(storage=args[0].untyped_storage(),
+            state = self._pending[key] = _PendingShard(storage=self._shards[key][0](),
                                                        param_id=self._shards[key][1])
         state.writes.append(write)
         self._count("deferred_write", stream.name)
         if getattr(_tls, "building", False):
             self._count("deferred_write_in_shard_build", stream.name)
+        return self._deferred_result(func, args, kwargs)
+
+    @staticmethod
+    def _deferred_result(func: Any, args: tuple, kwargs: dict) -> Any:
+        arguments = func._schema.arguments
+        results = []
+        for ret in func._schema.returns:
+            i = next(i for i, a in enumerate(arguments)
+                     if a.alias_info is not None and a.alias_info.before_set == ret.alias_info.before_set)
+            results.append(_argument(args, kwargs, i, arguments[i].name))
+        if not results:
+            return None
+        return results[0] if len(results) == 1 else tuple(results)
 
     def note_record_stream(self, t: torch.Tensor, stream: EmulatedStream) -> None:
         self._count("record_stream", stream.name)
@@ -460,7 +563,9 @@ class _Emulator:
                 state.pre_image = state.storage.clone()
             if self._source_recycled(write):
                 self._record("freed_source", write.key, write.stream, write.stream, write.func)
-                _fill_poison(write.args[0], self.poison)
+                for i, name in _written_arguments(write.func):
+                    for t in _tensors(_argument(write.args, write.kwargs, i, name)):
+                        _fill_poison(t, self.poison)
             else:
                 write.func(*write.args, **write.kwargs)
 
@@ -505,7 +610,7 @@ class _Emulator:
         if t.device.type != "cpu" or not self._pending:
             return t
         state = self._pending.get(_key(t))
-        if state is None:
+        if state is None or self.shard_id(t) is None:  # not shard memory, or outside a pool shard's byte range
             return t
         unordered = [w for w in state.writes if not self._ordered(reader, w)]
         if not unordered:
@@ -582,11 +687,9 @@ class _ShardWriteDeferral(TorchDispatchMode):
                 em.register_shard(out)
             return out
         with _lock:
-            if func in _WRITE_OPS and isinstance(args[0], torch.Tensor):
-                key = em.shard_id(args[0])
-                if key is not None:
-                    em.defer(func, args, kwargs, key)
-                    return args[0]
+            key = em.shard_writes(func, args, kwargs)
+            if key is not None:
+                return em.defer(func, args, kwargs, key)
             if em._pending and not func.is_view and func not in _METADATA_OPS:
                 args, kwargs = em.access(func, args, kwargs)
             if func.namespace == "c10d" and em._shards:
