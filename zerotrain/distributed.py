@@ -161,9 +161,10 @@ def set_collective_timeout(seconds: float) -> None:
     c10d._set_pg_timeout(timeout)
 
 
+# Only the backends' own timeout messages (a bare "timed out" from a file lock or a hub download is not a collective):
 # gloo: "Timed out waiting 10000ms for recv operation to complete"; NCCL's watchdog: "... ran for 600000 milliseconds
 # before timing out"; torch's store/barrier: "Socket Timeout".
-_TIMEOUT_MESSAGE = re.compile(r"Timed out waiting \d+ ?ms|milliseconds before timing out|Socket Timeout|timed out")
+_TIMEOUT_MESSAGE = re.compile(r"Timed out waiting \d+ ?ms|milliseconds before timing out|Socket Timeout")
 
 
 def collective_timeout(error: BaseException) -> Optional[CollectiveTimeout]:

@@ -509,13 +509,13 @@ class _Emulator:
         stream._enqueued += 1
         stream._queue.append(write)
         state = self._pending.get(key)
-        if state is not None:
-            unordered = [w for w in state.writes if not self._ordered(stream, w)]
-            if unordered:
-                self._record("write", key, stream, unordered[0].stream, func)
         if state is None:
             state = self._pending[key] = _PendingShard(storage=self._shards[key][0](),
                                                        param_id=self._shards[key][1])
+        else:  # a second write into the shard, not ordered after the first: a write-write race on a GPU
+            unordered = [w for w in state.writes if not self._ordered(stream, w)]
+            if unordered:
+                self._record("write", key, stream, unordered[0].stream, func)
         state.writes.append(write)
         self._count("deferred_write", stream.name)
         if getattr(_tls, "building", False):
