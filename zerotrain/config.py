@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from zerotrain import durable
@@ -159,6 +159,27 @@ def _merge(base: DictConfig, update: Any, origin: str) -> DictConfig:
         raise ConfigError(f"{origin}: {_bad_value(base, key, e)}") from None
 
 
+def _free_form_parent(cfg: DictConfig, parent_key: str) -> DictConfig | None:
+    """The node at ``parent_key`` when it lies inside a free-form mapping (``deepspeed``, ``zero``, ``cluster.env``):
+    missing levels below the deepest free-form node that exists are created as empty mappings, so that
+    ``deepspeed.flops_profiler.enabled=true`` needs no YAML block. None when ``parent_key`` is not in such a mapping
+    (the caller then reports an unknown key the usual way)."""
+    if not parent_key:
+        return None
+    node: Any = cfg
+    for part in parent_key.split("."):
+        if not isinstance(node, DictConfig):
+            return None
+        if part not in node:
+            if OmegaConf.get_type(node) is not dict:
+                return None  # a schema section takes no new keys
+            with open_dict(node):
+                node[part] = {}
+        node = node[part]
+    free_form = isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict
+    return node if free_form else None
+
+
 def _apply_override(cfg: DictConfig, item: str) -> None:
     """``a.b.0.c=value``: the value is parsed with OmegaConf's grammar (numbers, lists, mappings), the key must exist
     (list items by index), and the structured schema checks the type on assignment."""
@@ -168,8 +189,18 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
         value = OmegaConf.from_dotlist([f"value={text}"])["value"]
     except OmegaConfBaseException as e:
         raise ConfigError(f"{origin}: cannot parse the value: {str(e).splitlines()[0]}") from None
+    except yaml.YAMLError as e:  # OmegaConf hands the text to YAML: '[0.9' (unbalanced), 'a: b: c', ...
+        reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{origin}: the value '{text}' of '{key}' is not valid YAML ({reason}); quote a string "
+                          f"(key='\"text\"') or write a complete list or mapping, e.g. optim.betas=[0.9,0.95]") from None
     parent_key, _, leaf = key.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    try:
+        parent = _free_form_parent(cfg, parent_key)
+    except OmegaConfBaseException as e:  # cluster.env.A.B=1: a mapping of strings holds no mappings
+        raise ConfigError(f"{origin}: '{parent_key}' cannot be created as a mapping there: "
+                          f"{str(getattr(e, 'msg', e)).splitlines()[0]}") from None
+    if parent is None:
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if isinstance(parent, ListConfig) and (not leaf.isdigit() or int(leaf) >= len(parent)):
         raise ConfigError(f"{origin}: '{parent_key}' is a list of {len(parent)} item(s); '{leaf}' is not an index")
     # Free-form mappings (zero: DeepSpeed's block, checked by DeepSpeed; cluster.env) take new keys; schema
