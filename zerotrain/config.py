@@ -192,7 +192,8 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
     except yaml.YAMLError as e:  # OmegaConf hands the text to YAML: '[0.9' (unbalanced), 'a: b: c', ...
         reason = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{origin}: the value '{text}' of '{key}' is not valid YAML ({reason}); quote a string "
-                          f"(key='\"text\"') or write a complete list or mapping, e.g. optim.betas=[0.9,0.95]") from None
+                          f"(key='\"text\"') or write a complete "
+                          f"list or mapping, e.g. optim.betas=[0.9,0.95]") from None
     parent_key, _, leaf = key.rpartition(".")
     try:
         parent = _free_form_parent(cfg, parent_key)
