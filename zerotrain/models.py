@@ -30,6 +30,26 @@ class ModelFamily(StrEnum):
     falcon = "falcon"  # Falcon (FalconForCausalLM)
 
 
+class RopeType(StrEnum):
+    llama3 = "llama3"  # Llama-3.1/3.2's frequency-dependent stretch of the rotary frequencies
+
+
+@dataclass
+class RopeScaling:
+    """``model.rope_scaling``: the RoPE scaling of Llama-3.1/3.2 (``rope_scaling`` in their config.json)."""
+
+    rope_type: RopeType = RopeType.llama3
+    """llama3 (the only scaling the shipped shapes use)."""
+    factor: float = bounded(8.0, ge=1)
+    """How much the long wavelengths are stretched (3.1: 8, 3.2: 32)."""
+    low_freq_factor: float = bounded(1.0, gt=0)
+    """Wavelengths longer than original_max_position_embeddings / low_freq_factor are fully scaled."""
+    high_freq_factor: float = bounded(4.0, gt=0)
+    """Wavelengths shorter than original_max_position_embeddings / high_freq_factor are not scaled."""
+    original_max_position_embeddings: int = bounded(8192, ge=1)
+    """The context length the model was first trained at (Llama-3: 8192)."""
+
+
 @dataclass
 class ModelConfig:
     """The ``model`` section: which architecture and shape (``configs/model/*.yaml``), or a checkpoint to start from."""
@@ -57,6 +77,8 @@ class ModelConfig:
     """Epsilon of the RMSNorm (Llama) / LayerNorm (Falcon)."""
     rope_theta: float = bounded(10000.0, gt=0)
     """Base of the rotary position embedding's frequencies."""
+    rope_scaling: RopeScaling | None = None
+    """Llama only: Llama-3.1/3.2's RoPE scaling (see RopeScaling); None: plain RoPE (Llama-2)."""
     tie_word_embeddings: bool = False
     """Share the input embedding with the output projection."""
     initializer_range: float = bounded(0.02, ge=0, le=1)
@@ -83,6 +105,13 @@ def validate_model(model: ModelConfig) -> None:
     if model.num_kv_heads and model.num_heads % model.num_kv_heads:
         raise ConfigError(f"model.num_heads={model.num_heads} is not divisible by "
                           f"model.num_kv_heads={model.num_kv_heads} (grouped-query attention)")
+    scaling = model.rope_scaling
+    if scaling is not None and model.family != ModelFamily.llama:
+        raise ConfigError(f"model.rope_scaling is for family llama only (model.family={model.family}); "
+                          "set model.rope_scaling=null")
+    if scaling is not None and scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise ConfigError(f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor} must exceed "
+                          f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} (Llama-3: 4 and 1)")
     check_available(model.attn_implementation)
     try:
         hf_config(model)
@@ -96,7 +125,12 @@ MODEL_CLASSES = {ModelFamily.llama: LlamaForCausalLM, ModelFamily.falcon: Falcon
 
 def hf_config(model: ModelConfig) -> PretrainedConfig:
     """Our model section -> the Hugging Face config of the same shape."""
-    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        sc = model.rope_scaling
+        rope = {"rope_type": str(sc.rope_type), "rope_theta": model.rope_theta, "factor": sc.factor,
+                "low_freq_factor": sc.low_freq_factor, "high_freq_factor": sc.high_freq_factor,
+                "original_max_position_embeddings": sc.original_max_position_embeddings}
     if model.family == ModelFamily.llama:
         return LlamaConfig(
             vocab_size=model.vocab_size,
