@@ -247,3 +247,22 @@ def test_the_typed_config_saves_the_same_yaml_as_the_composed_one():
     for recipe in RECIPES:
         cfg = run_config.compose(recipe)
         assert config.to_yaml(config.to_object(cfg)) == config.to_yaml(cfg), recipe
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.rope_scaling.factor=0.5"], "model.rope_scaling.factor=0.5 is out of range: it must be >= 1"),
+        (["model.rope_scaling.high_freq_factor=0.5"], "must exceed model.rope_scaling.low_freq_factor=1.0"),
+    ],
+)
+def test_llama3_rope_scaling_is_validated(overrides, expected):
+    base = ["model=llama3_tiny"] if overrides[0].startswith("model.") else []
+    with pytest.raises(ConfigError) as err:
+        run_config.compose("tiny_llama", base + overrides)
+    assert expected in str(err.value)
+
+
+def test_llama3_tiny_composes_with_its_rope_scaling_and_tied_embeddings():
+    cfg = run_config.compose("tiny_llama", ["model=llama3_tiny"])
+    assert cfg.model.rope_scaling.factor == 32.0 and cfg.model.tie_word_embeddings
