@@ -16,15 +16,12 @@ per-forward mean.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from zerotrain.data.loader import IGNORE_INDEX
-
-log = logging.getLogger("zerotrain")
 
 
 def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -34,16 +31,17 @@ def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 def num_items_in_batch(micro_batches: Sequence[dict[str, torch.Tensor]], dp_size: int,
-                       device: torch.device | str) -> torch.Tensor:
+                       device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``num_items_in_batch`` every forward of this step gets under ``token`` reduction (collective: every
-    rank calls it once per step). A step without a single trained token (possible in SFT) gets 1: its loss and
-    gradient are then 0 instead of 0/0."""
+    rank calls it once per step), and a flag (1.0: the step has no trained token). Both stay on the device: no
+    host sync per step; the trainer warns about token-less steps when it reduces its log window. A step without a
+    single trained token (possible in SFT) gets 1: its loss and gradient are then 0 instead of 0/0."""
     count = torch.zeros(1, dtype=torch.int64, device=device)
     for batch in micro_batches:
         count += trained_tokens(batch["labels"]).to(device)
     dist.all_reduce(count)
-    total = int(count.item())
-    if total == 0:
-        log.warning("an optimizer step has no trained tokens (every label is -100): its gradient is zero")
-        total = len(micro_batches) * dp_size
-    return torch.tensor(total / (len(micro_batches) * dp_size), dtype=torch.float32, device=device)
+    empty = count == 0
+    total = torch.where(empty, torch.full_like(count, len(micro_batches) * dp_size), count)
+    # float64 division, then float32: the same float as Python's ``total / n`` put into a float32 tensor.
+    value = (total[0].double() / (len(micro_batches) * dp_size)).float()
+    return value, empty[0].float()

@@ -8,6 +8,11 @@ file only wires them together, handing each component its own section of the con
 Code outside the loop (tests, benchmarks, profilers) observes every step through :class:`StepCallback` objects
 passed to the trainer (``Trainer(cfg, callbacks=[...])``), on every rank, right before and right after each
 optimizer step.
+
+No host wait of ours between logged lines: a step's loss sum, non-finite count and token-less flag stay on the
+device, and the steps since the last line are reduced over ranks (one all-gather, one ``.tolist()``) at the next
+log step, checkpoint or exit, so an accelerator is never drained by the loop itself (and ``hpz.mode=sync`` costs
+only what it costs). ``tests/test_host_syncs.py`` counts them.
 """
 
 from __future__ import annotations
@@ -65,7 +70,37 @@ class StepResult:
     lr: float
     """The learning rate the step used."""
     seconds: float
-    """Wall time of the step: forward, backward and optimizer step of every micro-batch, and the loss all-reduce."""
+    """Host wall time of the step: forward, backward and optimizer step of every micro-batch, as queued (the loss
+    is reduced at the log step; on an accelerator the host may run ahead of it until then)."""
+
+
+@dataclass
+class _PendingStep:
+    """A step whose loss is not reduced over ranks yet."""
+
+    step: int
+    local: torch.Tensor
+    """This rank's [sum of micro-batch losses, non-finite micro-batches, 1.0 if the step had no trained token]."""
+    lr: float
+    seconds: float
+
+
+class StepView:
+    """What ``StepCallback.on_step_end`` is shown. ``lr`` and ``seconds`` are known at once; ``loss`` and
+    ``nonfinite`` need the ranks' reduction, which the trainer does once per logged line. Reading them earlier
+    reduces the pending steps now: collective (read them on every rank, as callbacks run on every rank) and one
+    host sync. The values are those of the logged records, bitwise."""
+
+    def __init__(self, trainer: Trainer, step: int, lr: float, seconds: float):
+        self._trainer, self.step, self.lr, self.seconds = trainer, step, lr, seconds
+
+    @property
+    def loss(self) -> float:
+        return self._trainer._result(self.step).loss
+
+    @property
+    def nonfinite(self) -> bool:
+        return self._trainer._result(self.step).nonfinite
 
 
 class StepCallback:
@@ -76,7 +111,7 @@ class StepCallback:
     def on_step_begin(self, trainer: Trainer, step: int) -> None:
         pass
 
-    def on_step_end(self, trainer: Trainer, step: int, result: StepResult) -> None:
+    def on_step_end(self, trainer: Trainer, step: int, result: StepView) -> None:
         pass
 
 
@@ -146,6 +181,8 @@ class Trainer:
         # The steps since the last logged line: saved with a checkpoint, so a resumed run's next line averages the
         # same steps as an uninterrupted run's would.
         self.window = [StepResult(**r) for r in self.state.extra.get(LOG_WINDOW, [])]
+        self._pending: list[_PendingStep] = []  # steps after the window's, not reduced over ranks yet
+        self._reduced: dict[int, StepResult] = {}  # this line's steps by number, for StepView
         self._steps_since_snapshot = 0  # the steps the communication counters have seen since their last snapshot
         self.logger = MetricsLogger(cfg.wandb, self.run_dir, self.dist.is_main,
                                     resume_step=self.state.step if resumed else None,
@@ -250,41 +287,38 @@ class Trainer:
     def fit(self) -> int:
         """Train to ``train.steps``. Returns 0 when done or stopped at ``train.exit_interval``, 75 when preempted
         (checkpoint saved); raises :class:`~zerotrain.errors.TrainingDiverged` on a non-finite loss under
-        ``train.nan_policy=stop``."""
+        ``train.nan_policy=stop`` (at the first log step, checkpoint or exit after it)."""
         train = self.cfg.train
         try:
             while self.state.step < train.steps:
                 step = self.state.step + 1
                 for callback in self.callbacks:
                     callback.on_step_begin(self, step)
-                result = self._train_step()
+                pending = self._train_step(step)
+                self._pending.append(pending)
                 self.state.step = step
                 self.state.tokens += self.tokens_per_step
+                view = StepView(self, step, pending.lr, pending.seconds)
                 for callback in self.callbacks:
-                    callback.on_step_end(self, step, result)
-                self.window.append(result)
+                    callback.on_step_end(self, step, view)
                 self._steps_since_snapshot += 1
-                # A non-finite step is always logged, so a diverged run's curve shows where it diverged.
-                if result.nonfinite or train.log_due(step):
-                    self.logger.log_train(step, self._metrics(self.window))
-                    self.window = []
-                if result.nonfinite:
-                    self._on_nonfinite(result.loss)
+                if train.log_due(step):
+                    self._log()
                 for evaluation in self.evaluations:
                     if evaluation.due(step):
                         self.logger.log_event(step, *evaluation.run(self.engine, self.device))
                 if self.preemption.should_stop():
-                    self._save()
+                    self._checked_save()
                     log.info("%s", self.preemption.stop_message(step))
                     return EXIT_REQUEUE
                 if train.exit_due(step):
-                    self._save()
+                    self._checked_save()
                     log.info("step %d: train.exit_interval reached, checkpoint saved; relaunch to continue", step)
                     return EXIT_OK
                 if self.cfg.checkpoint.save_due(step, train.steps):
-                    self._save()
+                    self._checked_save()
             if self.cfg.checkpoint.save_final:
-                self._save()
+                self._checked_save()
                 if self.cfg.checkpoint.export_hf:
                     self._export()
             return EXIT_OK
@@ -298,18 +332,19 @@ class Trainer:
         train = self.cfg.train
         return train.micro_batch_size * train.seq_len * train.grad_accum * self.dp_size
 
-    def _train_step(self) -> StepResult:
-        """One optimizer step (grad_accum micro-batches). The loss is averaged over micro-batches and ranks, and
-        whether any rank saw a non-finite loss is agreed on (one small all-reduce per step, not per micro-batch)."""
+    def _train_step(self, step: int) -> _PendingStep:
+        """One optimizer step (grad_accum micro-batches). The loss sum and the non-finite count stay on this
+        rank's device (no host sync): :meth:`_reduce_pending` reduces them over ranks at the next log step."""
         lr = self.engine.get_lr()[0]
         started = time.perf_counter()
-        total = torch.zeros(2, dtype=torch.float32, device=self.device)
+        total = torch.zeros(3, dtype=torch.float32, device=self.device)
         # The step's micro-batches first: under token reduction every forward needs the step's global token count.
         micro_batches = [{k: v.to(self.device) for k, v in next(self.train_loader).items()}
                          for _ in range(self.cfg.train.grad_accum)]
         extra = {}
         if self.cfg.train.loss_reduction == LossReduction.token:
-            extra["num_items_in_batch"] = loss_reduction.num_items_in_batch(micro_batches, self.dp_size, self.device)
+            extra["num_items_in_batch"], total[2] = loss_reduction.num_items_in_batch(
+                micro_batches, self.dp_size, self.device)
         for batch in micro_batches:
             loss = self.engine(**batch, **extra).loss
             self.engine.backward(loss)
@@ -317,21 +352,70 @@ class Trainer:
             value = loss.detach().float()
             total[0] += value
             total[1] += (~torch.isfinite(value)).float()
-        dist.all_reduce(total)
-        mean = (total[0] / (self.cfg.train.grad_accum * self.dp_size)).item()
-        return StepResult(loss=mean, nonfinite=bool(total[1].item() > 0), lr=lr,
-                          seconds=time.perf_counter() - started)
+        return _PendingStep(step, total, lr, time.perf_counter() - started)
 
-    def _on_nonfinite(self, loss: float) -> None:
-        message = (f"non-finite loss ({loss}) at step {self.state.step}. The last checkpoint is untouched: "
+    def _reduce_pending(self) -> None:
+        """Collective: the pending steps' losses summed over ranks, moved to the log window (one all-gather and
+        one host sync for all of them). Ranks are summed in rank order on every rank, so a step's loss is the
+        same float however many steps are reduced together (a resumed run's window differs in size)."""
+        if not self._pending:
+            return
+        local = torch.stack([p.local for p in self._pending])
+        gathered = [torch.empty_like(local) for _ in range(self.dist.world_size)]
+        dist.all_gather(gathered, local)
+        total = gathered[0].clone()
+        for other in gathered[1:]:
+            total += other
+        total[:, 0] /= self.cfg.train.grad_accum * self.dp_size  # float32, as the per-step mean always was
+        for pending, (loss, nonfinite, empty) in zip(self._pending, total.tolist()):
+            result = StepResult(loss=loss, nonfinite=nonfinite > 0, lr=pending.lr, seconds=pending.seconds)
+            self.window.append(result)
+            self._reduced[pending.step] = result
+            if empty > 0 and self.dist.is_main:
+                log.warning("step %d had no trained tokens (every label is -100): its gradient is zero",
+                            pending.step)
+        self._pending = []
+
+    def _result(self, step: int) -> StepResult:
+        """Step ``step`` of the current line, reducing the pending steps first if needed (collective then)."""
+        if step not in self._reduced:
+            self._reduce_pending()
+        return self._reduced[step]
+
+    def _log(self) -> None:
+        """Reduce the pending steps and write the window's records. A non-finite step closes a record of its own
+        (a diverged run's curve shows where it diverged), then ``train.nan_policy`` acts on it."""
+        self._reduce_pending()
+        first = self.state.step - len(self.window) + 1
+        start = 0
+        for i, result in enumerate(self.window):
+            if result.nonfinite or i == len(self.window) - 1:
+                step = first + i
+                self.logger.log_train(step, self._metrics(self.window[start:i + 1], step))
+                start = i + 1
+                if result.nonfinite:
+                    self._on_nonfinite(result.loss, step)
+        self.window = []
+        self._reduced = {}
+
+    def _checked_save(self) -> None:
+        """Save, never a non-finite state under nan_policy=stop: the pending steps are reduced first (one sync at a
+        checkpoint that is not a log step), and a non-finite one is logged and stops the run before the save."""
+        self._reduce_pending()
+        if any(r.nonfinite for r in self.window):
+            self._log()
+        self._save()
+
+    def _on_nonfinite(self, loss: float, step: int) -> None:
+        message = (f"non-finite loss ({loss}) at step {step}. The last checkpoint is untouched: "
                    f"{checkpoint.latest_tag(self.ckpt_root) or 'none saved yet'}.")
         if self.cfg.train.nan_policy == NanPolicy.stop:
-            raise TrainingDiverged(message + " Stopping (train.nan_policy=stop; 'continue' keeps going, e.g. to "
-                                   "record a diverging curve).")
+            raise TrainingDiverged(message + f" Stopping at step {self.state.step} (train.nan_policy=stop acts at "
+                                   "the next logged line; 'continue' keeps going, e.g. to record a diverging curve).")
         if self.dist.is_main:
             log.warning("%s Continuing (train.nan_policy=continue).", message)
 
-    def _metrics(self, window: list[StepResult]) -> dict[str, Any]:
+    def _metrics(self, window: list[StepResult], step: int) -> dict[str, Any]:
         step_time = sum(r.seconds for r in window) / len(window)
         tokens_per_s = self.tokens_per_step / step_time
         per_device = tokens_per_s / self.dist.world_size
@@ -342,7 +426,7 @@ class Trainer:
             "grad_norm": _as_float(self.engine.get_global_grad_norm()),
             "skipped_steps": self.engine.skipped_steps,  # DeepSpeed's, since the start: steps dropped on a bad norm
             "step_time_s": step_time,
-            "tokens": self.state.tokens,
+            "tokens": self.state.tokens - (self.state.step - step) * self.tokens_per_step,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": per_device,
             "tflops_per_device": tflops,
