@@ -101,13 +101,16 @@ class TrainConfig:
     grad_clip: float = bounded(1.0, ge=0)
     """Clip the global gradient norm to this; 0 disables clipping."""
     log_interval: int = bounded(10, ge=1)
-    """Steps per logged line (loss and times averaged over them); the last step and a non-finite loss always log."""
+    """Steps per logged line (loss and times averaged over them), and how often the loop waits on the device: the
+    steps' losses are reduced over ranks only then (and at checkpoints). A non-finite step gets a record of its own,
+    written at the next log step."""
     eval_interval: int = bounded(0, ge=0)
     """Steps between validation-loss evaluations (and after the last step); 0 disables validation."""
     eval_batches: int = bounded(8, ge=1)
     """Validation batches per evaluation: the same first ones every time."""
     nan_policy: NanPolicy = NanPolicy.stop
-    """stop | continue, on a non-finite loss."""
+    """stop | continue, on a non-finite loss. stop acts at the next log step (losses are reduced there, not every
+    step) and never saves a checkpoint past it: a checkpoint between log steps reduces the pending losses first."""
     exit_interval: int = bounded(0, ge=0)
     """Save a checkpoint and exit cleanly when step % exit_interval == 0 (Megatron's --exit-interval); 0: never."""
     activation_checkpointing: bool = False
