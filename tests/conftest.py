@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tiers import SpawnGuard, mark_tiers
+
 from tools.launcher import CPU_ENV, PYTHON, run
 
 os.environ.update(CPU_ENV)
@@ -46,3 +48,22 @@ def small_disk(tmp_path):
 def read_only_dir(tmp_path):
     """``tmp_path / "ro"``: a read-only file system."""
     yield from _tmpfs(tmp_path / "ro", "ro,size=1m", "a read-only file system")
+
+
+# ---- the test tiers (tests/tiers.py): launch, slurm, and the guard on the fast tier --------------------------------
+
+_SPAWN_GUARD = SpawnGuard()
+
+
+def pytest_collection_modifyitems(items):
+    mark_tiers(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _SPAWN_GUARD.watch(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _SPAWN_GUARD.watch(item))
