@@ -10,8 +10,9 @@ defined under tests/, e.g. ``slurm_testlib``); library code (zerotrain, tools) i
 only through it carries ``@pytest.mark.launch`` itself. A test that uses the ``slurm_cluster`` fixture is ``slurm``.
 
 The guard (``SpawnGuard``, an audit hook, ``sys.addaudithook``): while a test outside both tiers is set up or run,
-any process it starts (``subprocess.Popen``, ``os.posix_spawn``, ``os.fork``, ``os.system``, ``os.exec``,
-``os.spawn``) is refused with :class:`UnmarkedLaunch` naming the test and the command, and the test fails even if
+any process it starts that runs our code or a cluster (a fork, ``os.system``/``exec``/``spawn``, or a
+``subprocess.Popen``/``os.posix_spawn`` of an interpreter, a launcher, a shell or a SLURM command: ``SLOW_PROGRAMS``)
+is refused with :class:`UnmarkedLaunch` naming the test and the command, and the test fails even if
 something caught that error. It is on in every run (``make test`` too): a new test that launches without being
 detected fails on its first run instead of silently slowing ``make test-fast`` down. The teardown phase is not
 watched: a session fixture's teardown (stopping the SLURM cluster) runs in whatever test happens to be the last.
@@ -35,6 +36,13 @@ LAUNCH, SLURM = "launch", "slurm"
 SLURM_FIXTURES = frozenset({"slurm_cluster"})
 SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.posix_spawn", "os.fork", "os.forkpty", "os.system", "os.exec",
                           "os.spawn", "pty.spawn"})
+
+# What the guard refuses: a process that runs our code or a cluster (an interpreter, a launcher, a shell, SLURM), the
+# launches that cost a fast test seconds. A library probing its environment with a small tool (matplotlib's
+# ``fc-list`` on a cold font cache, a compiler's ``--version``) is allowed: whether it happens depends on the machine's
+# caches, not on the test, and it costs milliseconds.
+SLOW_PROGRAMS = frozenset({"torchrun", "deepspeed", "sh", "bash", "dash", "srun", "sbatch", "salloc", "scontrol",
+                           "scancel", "squeue", "sacct", "slurmd", "slurmctld", "munged", "ip", "tc"})
 
 _LAUNCHING_MODULES = frozenset({"subprocess", "multiprocessing", "torch.multiprocessing", "tools.launcher"})
 _LAUNCHING_OBJECTS = {tools.launcher.run, tools.launcher.torchrun, tools.launcher.launch_nodes, os.system, os.fork,
@@ -133,8 +141,18 @@ class SpawnGuard:
         self.seen: list[str] = []
         sys.addaudithook(self._hook)
 
+    @staticmethod
+    def _is_slow(event: str, args: tuple) -> bool:
+        if event not in ("subprocess.Popen", "os.posix_spawn"):
+            return True  # fork, system, exec*, spawn*: always a process of our own
+        program = args[0] or args[1]  # Popen: (executable or None, args, ...); posix_spawn: (path, argv, env)
+        if isinstance(program, (list, tuple)):
+            program = program[0] if program else ""
+        name = os.path.basename(os.fsdecode(program)).split()[0] if program else ""
+        return not name or name.startswith("python") or name in SLOW_PROGRAMS
+
     def _hook(self, event: str, args: tuple) -> None:
-        if self.watching is None or event not in SPAWN_EVENTS:
+        if self.watching is None or event not in SPAWN_EVENTS or not self._is_slow(event, args):
             return
         what = f"{event} {args[1] if event == 'subprocess.Popen' else args[0] if args else ''}"
         self.seen.append(what)

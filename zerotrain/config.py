@@ -180,6 +180,33 @@ def _free_form_parent(cfg: DictConfig, parent_key: str) -> DictConfig | None:
     return node if free_form else None
 
 
+def _declared_section(parent: DictConfig, key: str) -> type | None:
+    """The dataclass the schema of ``parent`` declares for ``key`` (``Optional[RopeScaling]`` -> RopeScaling)."""
+    schema = OmegaConf.get_type(parent)
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return None
+    declared = typing.get_type_hints(schema).get(key)
+    for candidate in (declared, *typing.get_args(declared)):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _fill_optional_sections(cfg: DictConfig, parent_key: str) -> None:
+    """An optional section left at None (``model.rope_scaling: null``) that an override reaches into
+    (``model.rope_scaling.factor=16``) is created with its declared defaults first, as if the YAML had set it."""
+    node: Any = cfg
+    for part in parent_key.split(".") if parent_key else ():
+        if not isinstance(node, DictConfig) or part not in node:
+            return
+        if node._get_node(part)._is_none():
+            section = _declared_section(node, part)
+            if section is None:
+                return
+            node[part] = OmegaConf.structured(section)
+        node = node[part]
+
+
 def _apply_override(cfg: DictConfig, item: str) -> None:
     """``a.b.0.c=value``: the value is parsed with OmegaConf's grammar (numbers, lists, mappings), the key must exist
     (list items by index), and the structured schema checks the type on assignment."""
@@ -195,6 +222,7 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
                           f"(key='\"text\"') or write a complete "
                           f"list or mapping, e.g. optim.betas=[0.9,0.95]") from None
     parent_key, _, leaf = key.rpartition(".")
+    _fill_optional_sections(cfg, parent_key)
     try:
         parent = _free_form_parent(cfg, parent_key)
     except OmegaConfBaseException as e:  # cluster.env.A.B=1: a mapping of strings holds no mappings
