@@ -1,6 +1,8 @@
 # The two commands of the README:
 #   make demo   set up a fresh machine (virtualenv + pinned packages), prepare the shipped corpus, train tiny Llama
 #   make test   set up the same way, then run the whole test suite
+# For contributors (CONTRIBUTING.md): make test-fast (no test that starts a process, ~1 min), make durations (the whole
+# suite, refreshing tests/durations.txt).
 # Everything runs on the CPU (DeepSpeed's CPU accelerator, gloo); override NPROC for more or fewer processes.
 
 PYTHON ?= python3
@@ -12,7 +14,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup data demo test clean
+.PHONY: setup data demo test test-fast durations clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +36,12 @@ demo: data
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not launch and not slurm" $(PYTEST_ARGS)
+
+durations: setup
+	$(PY) tools/durations.py --out tests/durations.txt $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs data/prepared .cache

@@ -1,0 +1,83 @@
+"""Run the test suite and write the durations snapshot (``make durations`` -> ``tests/durations.txt``).
+
+The snapshot is what a contributor reads to know what a tier costs and where the time goes: the wall time of the
+whole run, the time per tier (fast, launch, slurm: the marks ``tests/tiers.py`` sets), per file, and the slowest
+tests. A test's time is its setup, call and teardown together, so a module fixture that launches a run is charged to
+the first test that uses it, as pytest charges it.
+
+    python tools/durations.py --out tests/durations.txt [pytest arguments...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+SLOWEST = 30
+
+
+class Recorder:
+    """A pytest plugin: each test's tier and its time over the three phases."""
+
+    def __init__(self) -> None:
+        self.tier: dict[str, str] = {}
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.outcome: dict[str, str] = {}
+
+    @pytest.hookimpl(trylast=True)  # after conftest's mark_tiers has marked the items
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            marks = {m.name for m in item.iter_markers()}
+            self.tier[item.nodeid] = "slurm" if "slurm" in marks else "launch" if "launch" in marks else "fast"
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid] += report.duration
+        if report.when == "call" or report.outcome != "passed":
+            self.outcome[report.nodeid] = report.outcome
+
+
+def render(recorder: Recorder, wall: float, exit_code: int) -> str:
+    ran = [nodeid for nodeid in recorder.seconds if nodeid in recorder.tier]
+    lines = [f"# tests/durations.txt: written by `make durations` on {time.strftime('%Y-%m-%d')}, "
+             f"{os.cpu_count()} CPU core(s), Python {platform.python_version()}; pytest exit status {exit_code}",
+             f"# whole run: {wall:.0f} s wall for {len(ran)} tests", "", "## per tier", "",
+             f"{'tier':<8} {'tests':>6} {'seconds':>8}"]
+    for tier in ("fast", "launch", "slurm"):
+        members = [n for n in ran if recorder.tier[n] == tier]
+        lines.append(f"{tier:<8} {len(members):>6} {sum(recorder.seconds[n] for n in members):>8.0f}")
+    per_file: dict[str, list[float]] = defaultdict(list)
+    for nodeid in ran:
+        per_file[nodeid.split("::")[0]].append(recorder.seconds[nodeid])
+    lines += ["", "## per file (seconds, tests)", ""]
+    for path, times in sorted(per_file.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{sum(times):>7.0f} {len(times):>4}  {path}")
+    lines += ["", f"## the {SLOWEST} slowest tests (seconds, tier)", ""]
+    for nodeid in sorted(ran, key=lambda n: -recorder.seconds[n])[:SLOWEST]:
+        lines.append(f"{recorder.seconds[nodeid]:>7.1f}  {recorder.tier[nodeid]:<6}  {nodeid}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the snapshot")
+    args, pytest_args = parser.parse_known_args(argv)
+    recorder = Recorder()
+    start = time.monotonic()
+    exit_code = pytest.main(list(pytest_args), plugins=[recorder])
+    text = render(recorder, time.monotonic() - start, int(exit_code))
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(args.out)
+    print(f"durations: wrote {args.out}", file=sys.stderr)
+    return int(exit_code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
