@@ -216,6 +216,34 @@ def test_tiny_falcon_trains_in_bf16_on_4_processes(tmp_path, shakespeare):
 
 
 
+def test_tiny_llama3_trains_on_4_processes_under_hpz_and_exports_a_llama3_checkpoint(tmp_path):
+    """recipes/tiny_llama3: data prepared with a trained Llama-3-style tokenizer (<|begin_of_text|> documents), a
+    GQA model with Llama-3 RoPE scaling and tied embeddings, 4 ranks with hpZ 2; the Hugging Face export carries the
+    Llama-3 shape and the run's tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    data = tmp_path / "shakespeare_llama3"
+    run([PYTHON, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt", f"output={data}",
+         "tokenizer.train_kind=llama3", "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"],
+        timeout=600)
+    torchrun(4, "train.py", "recipe=tiny_llama3", "train.steps=12", "train.log_interval=1", "schedule.warmup_steps=3",
+             "optim.lr=3e-3", "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.export_hf=true",
+             "wandb.enabled=false", f"run.output_dir={tmp_path}", "run.name=llama3", f"data.train.0.path={data}",
+             timeout=900)
+    run_dir = tmp_path / "llama3"
+    curve = losses(run_dir)
+    assert sorted(curve) == list(range(1, 13))
+    assert curve[12] < curve[1] - 0.5, curve
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if "loss" in r][-1]["hpz/shards_read"] > 0
+    export = run_dir / "checkpoints" / "step_00000012" / "hf"
+    hf = AutoConfig.from_pretrained(export)
+    assert (hf.num_key_value_heads, hf.tie_word_embeddings, hf.rope_parameters["rope_type"]) == (2, True, "llama3")
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert (tokenizer.bos_token_id, len(tokenizer)) == (1792, 2048)
+
+
 def test_standalone_mmlu_scores_a_training_run_directory(uninterrupted, tmp_path):
     """evaluation/mmlu.py on the run directory exports the latest checkpoint once and scores it; on these questions
     it agrees with the in-training hook's last evaluation (same weights, same protocol)."""
