@@ -536,13 +536,19 @@ def _chat_template_next_to(path: Path) -> str | None:
 
 
 def find_tokenizer_file(path_or_dir: str | Path) -> Path:
-    """The tokenizer file a path names: the file itself, or the one in a model or prepared-data directory."""
+    """The tokenizer file a path names: the file itself, the one in a model or prepared-data directory, or the one
+    of a Hugging Face Hub id ``org/name[@revision]`` (from the Hub cache, see zerotrain.hub)."""
+    from zerotrain import hub
+
     path = Path(path_or_dir)
     if path.is_file():
         return path
+    if hub.parse(path_or_dir) is not None:
+        path = hub.resolve(str(path_or_dir), "tokenizer", tokenizer_only=True)
     if not path.is_dir():
         raise DataError(f"{path}: no such tokenizer file or directory. Pass a tokenizer.model (Llama-2), "
-                        f"a tokenizer.json (Falcon), a directory holding one, or a prepared data directory")
+                        f"a tokenizer.json (Falcon, Llama-3), a directory holding one, a prepared data directory or "
+                        f"a Hugging Face Hub id org/name[@revision]")
     if (path / "manifest.json").is_file() and (path / DATASET_TOKENIZER_DIR).is_dir():
         path = path / DATASET_TOKENIZER_DIR
     for name in ("tokenizer.model", "tokenizer.json"):
