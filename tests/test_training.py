@@ -236,7 +236,7 @@ def test_tiny_llama3_trains_on_4_processes_under_hpz_and_exports_a_llama3_checkp
     assert curve[12] < curve[1] - 0.5, curve
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in records if "loss" in r][-1]["hpz/shards_read"] > 0
-    export = run_dir / "checkpoints" / "step_00000012" / "hf"
+    export = run_dir / "hf"
     hf = AutoConfig.from_pretrained(export)
     assert (hf.num_key_value_heads, hf.tie_word_embeddings, hf.rope_parameters["rope_type"]) == (2, True, "llama3")
     tokenizer = AutoTokenizer.from_pretrained(export)
