@@ -84,7 +84,7 @@ class PrepareConfig:
     prompt_field: str = "prompt"  # SFT fields
     response_field: str = "response"
     messages_field: str = "messages"
-    chat_template: str = "llama2"  # llama2 | plain | tokenizer (its own Jinja template; see zerotrain/data/sft.py)
+    chat_template: str = "llama2"  # llama2 | plain | tokenizer (its own Jinja template) | completion
     txt_split: str = "paragraphs"  # paragraphs | file (see zerotrain/data/sources.py)
     txt_doc_chars: int = 4000  # paragraphs mode: join paragraphs into documents of at least this many characters
     max_documents: int = 0  # > 0: use only the first N records (a quick slice)

@@ -20,6 +20,10 @@ ask. Templates (``chat_template``):
 
     {system}\\n\\nUser: {user}\\n\\nAssistant: {assistant}</s>User: {user}\\n\\nAssistant: {assistant}</s>
 
+``completion`` — no chat markup at all: ``[BOS] {prompt}{response} EOS``, texts concatenated as they are (messages
+in order; user and system text untrained). For prompts that carry their own format, e.g. MMLU's
+``...\nAnswer:`` with the response `` B`` (zerotrain/data/mmlu_sft.py).
+
 ``tokenizer`` — the tokenizer's own Jinja chat template (``chat_template`` in its ``tokenizer_config.json``, or
 ``chat_template.jinja``; what transformers' ``apply_chat_template`` renders, through the same renderer), e.g. a
 Llama-3-Instruct or Llama-2-chat tokenizer's. The trained part of each assistant turn is what the template adds
@@ -44,7 +48,7 @@ from zerotrain.data.sources import Record
 from zerotrain.data.tokenizer import Tokenizer
 from zerotrain.errors import DataError
 
-TEMPLATES = ("llama2", "plain", "tokenizer")
+TEMPLATES = ("llama2", "plain", "tokenizer", "completion")
 ROLES = ("system", "user", "assistant")
 
 
@@ -105,6 +109,8 @@ def render(messages: list[dict[str, str]], template: str, tokenizer: Tokenizer, 
         return _render_plain(messages, tokenizer, add_bos)
     if template == "tokenizer":
         return _render_tokenizer_template(messages, tokenizer, add_bos, where)
+    if template == "completion":
+        return _render_completion(messages, tokenizer, add_bos)
     raise DataError(f"chat_template={template}: unknown; valid: {', '.join(TEMPLATES)}")
 
 
@@ -140,6 +146,16 @@ def _render_plain(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos:
             parts.append(Text(f"User: {content}\n\nAssistant:", False))
         else:
             parts += [Text(f" {content}", True), Special(tokenizer.eos_id, True)]
+    return parts
+
+
+def _render_completion(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos: bool) -> list[Part]:
+    parts: list[Part] = _bos(tokenizer, add_bos)
+    for message in messages:
+        if message["role"] == "assistant":
+            parts += [Text(message["content"], True), Special(tokenizer.eos_id, True)]
+        else:
+            parts.append(Text(message["content"], False))
     return parts
 
 
