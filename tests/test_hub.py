@@ -135,11 +135,10 @@ class _FakeHub(http.server.BaseHTTPRequestHandler):
 def test_fetch_fills_from_the_cache_offline_and_names_hf_token_for_a_gated_model(fake_cache, tmp_path):
     """python -m zerotrain.fetch: the cached snapshot's path offline; online (a local server standing in for the
     Hub) a gated model names HF_TOKEN and an unknown one says so; never a traceback, exit 2."""
-    found = run([PYTHON, "-m", "zerotrain.fetch", REPO_ID], env={"HF_HUB_CACHE": str(fake_cache), "HF_HUB_OFFLINE": "1"},
-                timeout=120)
+    cached = {"HF_HUB_CACHE": str(fake_cache), "HF_HUB_OFFLINE": "1"}
+    found = run([PYTHON, "-m", "zerotrain.fetch", REPO_ID], env=cached, timeout=120)
     assert found.stdout.strip().endswith(f"snapshots/{SHA}")
-    missing = run([PYTHON, "-m", "zerotrain.fetch", "org/absent"], check=False, timeout=120,
-                  env={"HF_HUB_CACHE": str(fake_cache), "HF_HUB_OFFLINE": "1"})
+    missing = run([PYTHON, "-m", "zerotrain.fetch", "org/absent"], env=cached, check=False, timeout=120)
     assert missing.returncode == 2 and "python -m zerotrain.fetch org/absent" in missing.stderr
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
     threading.Thread(target=server.serve_forever, daemon=True).start()

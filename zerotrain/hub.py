@@ -90,13 +90,14 @@ def resolve(spec: str, what: str = "model.pretrained_path", tokenizer_only: bool
                        f"https://huggingface.co/{repo_id})") from None
     except hub_errors.RepositoryNotFoundError:
         raise HubError(f"{where}: no model {repo_id} on the Hub, or it is private: check the spelling, or set "
-                       f"HF_TOKEN=<a token with access>. A local directory of that name does not exist either") from None
+                       f"HF_TOKEN=<a token with access>. A local directory of that name does not exist "
+                       f"either") from None
     except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled):
         raise HubError(f"{where}: {repo_id}" + (f" at revision {revision}" if revision else "") + f" is not in the "
                        f"Hugging Face cache {cache} and HF_HUB_OFFLINE=1 forbids downloading it. Fill the cache on a "
                        f"machine with internet (a login node) with: {command}   (or: hf download {repo_id}"
                        + (f" --revision {revision}" if revision else "") + f"), with the same HF_HUB_CACHE/HF_HOME "
-                       f"as this run") from None
+                       f"as this run. (No local file or directory {spec} exists either.)") from None
     except (hub_errors.HfHubHTTPError, OSError) as e:
         detail = " ".join(str(e).split())[:300]
         raise HubError(f"{where}: could not download {repo_id} into {cache} ({type(e).__name__}: {detail}). "
