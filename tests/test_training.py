@@ -242,6 +242,7 @@ def test_tiny_llama3_trains_on_4_processes_under_hpz_and_exports_a_llama3_checkp
     tokenizer = AutoTokenizer.from_pretrained(export)
     assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
     assert (tokenizer.bos_token_id, len(tokenizer)) == (1792, 2048)
+    assert tokenizer("To be")["input_ids"][0] == 1792  # as every training document starts
 
 
 def test_standalone_mmlu_scores_a_training_run_directory(uninterrupted, tmp_path):

@@ -88,8 +88,14 @@ def test_trained_llama3_tokenizer_has_llama3s_pipeline_and_special_tokens(tmp_pa
     again = train_llama3_bpe(corpus_slice.split("\n\n"), tmp_path / "b", vocab_size=1280)
     assert trained.path.read_bytes() == again.path.read_bytes()
     ours, reference = (json.loads(Path(p).read_text()) for p in (trained.path, llama3_file))
-    for key in ("normalizer", "pre_tokenizer", "decoder", "post_processor"):
+    for key in ("normalizer", "pre_tokenizer", "decoder"):
         assert ours[key] == reference[key], key
+    # Llama-3.1's post-processor: the ByteLevel one, then <|begin_of_text|> in front (with add_special_tokens only).
+    assert ours["post_processor"]["processors"][0] == reference["post_processor"]
+    from transformers import AutoTokenizer
+
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
+    assert exported.encode("To be") == [1024] + trained.encode("To be")
     assert ours["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == LLAMA3_PATTERN
     assert ours["model"]["type"] == "BPE" and ours["model"]["ignore_merges"] is True
     assert (trained.vocab_size, trained.bos_id, trained.eos_id) == (1280, 1024, 1025)

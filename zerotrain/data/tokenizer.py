@@ -610,7 +610,8 @@ def train_llama3_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: int)
     ``tokenizer_config.json`` naming ``<|begin_of_text|>``/``<|end_of_text|>`` as BOS/EOS.
 
     Llama-3's pipeline: no normaliser, :data:`LLAMA3_SPLIT_PATTERN` then a regex-free ByteLevel pre-tokenizer,
-    BPE with ``ignore_merges`` (a whole pre-token found in the vocabulary is one token), ByteLevel decoder, and its
+    BPE with ``ignore_merges`` (a whole pre-token found in the vocabulary is one token), ByteLevel decoder, a
+    post-processor adding ``<|begin_of_text|>`` (Llama-3.1's; so an export adds BOS as training did), and its
     256 special tokens after the ``vocab_size - 256`` merged ones (as ids 128000-128255 follow the 128000 merged
     tokens of the real one). Deterministic: the same texts give the same file.
     """
@@ -627,7 +628,13 @@ def train_llama3_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: int)
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
-    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
+    # Llama-3.1's tokenizer.json: with add_special_tokens, transformers puts <|begin_of_text|> in front, as our
+    # documents have it (the first Llama-3 release added nothing there). encode() never adds it.
+    tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+        processors.TemplateProcessing(single=f"{LLAMA3_BOS}:0 $A:0", pair=f"{LLAMA3_BOS}:0 $A:0 {LLAMA3_BOS}:1 $B:1",
+                                      special_tokens=[(LLAMA3_BOS, vocab_size - LLAMA3_NUM_SPECIAL)]),
+    ])
     trainer = trainers.BpeTrainer(vocab_size=merged, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
