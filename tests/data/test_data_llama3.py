@@ -107,3 +107,10 @@ def test_trained_llama3_tokenizer_has_llama3s_pipeline_and_special_tokens(tmp_pa
 def test_llama3_tokenizer_too_small_to_hold_bytes_and_special_tokens_is_refused(tmp_path):
     with pytest.raises(DataError, match="train_vocab_size=400 is too small for a Llama-3 tokenizer"):
         train_llama3_bpe(["some text"], tmp_path, vocab_size=400)
+
+
+def test_unknown_train_kind_is_named_with_the_valid_ones(tmp_path, corpus_file):
+    with pytest.raises(DataError, match="tokenizer.train_kind=lama3 is not valid. Did you mean 'llama3'"):
+        prepare(PrepareConfig(input=str(corpus_file), output=str(tmp_path / "out"), progress=False,
+                              tokenizer=TokenizerArgs(train_kind="lama3")))
+    assert not (tmp_path / "out").exists()
