@@ -14,7 +14,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup data demo test test-fast durations clean
+.PHONY: setup data data-llama3 demo test test-fast durations clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,12 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	touch $@
 
 data: data/prepared/shakespeare/manifest.json
+
+data-llama3: data/prepared/shakespeare_llama3/manifest.json  # the data of recipes/tiny_llama3.yaml
+
+data/prepared/shakespeare_llama3/manifest.json: $(VENV)/.installed data/corpus/shakespeare_milton.txt
+	$(PY) data/prepare.py input=data/corpus/shakespeare_milton.txt output=data/prepared/shakespeare_llama3 \
+		tokenizer.train_kind=llama3 tokenizer.train_vocab_size=2048 valid_fraction=0.02
 
 data/prepared/shakespeare/manifest.json: $(VENV)/.installed data/corpus/shakespeare_milton.txt
 	$(PY) data/prepare.py input=data/corpus/shakespeare_milton.txt output=data/prepared/shakespeare \

@@ -43,9 +43,14 @@ def check_inputs(cfg) -> None:
                 f"data/prepare.py (see data/README.md), or point data.train at a prepared directory"
             )
     pretrained = cfg.model.pretrained_path
-    if pretrained and not (Path(pretrained) / "config.json").is_file():
-        raise ConfigError(f"model.pretrained_path={pretrained}: not a Hugging Face checkpoint directory "
-                          f"(no config.json). Download it once (huggingface-cli download) and point here")
+    if pretrained:
+        from zerotrain import hub
+
+        local = hub.resolve(pretrained)  # a Hub id: its snapshot in the Hub cache, downloaded unless offline
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"model.pretrained_path={pretrained}: not a Hugging Face checkpoint directory "
+                              f"(no config.json). Give a local checkpoint directory or a Hub id org/name[@revision] "
+                              f"(fetched with python -m zerotrain.fetch org/name)")
 
 
 def main(argv: list[str]) -> int:

@@ -7,7 +7,7 @@
 #   scripts/paper_sweep.sh [--dry-run] [--no-check] [--group NAME] [--nodes N] [--variants a,b]
 #                          [sbatch flags...] <model> [key=value overrides...]
 #
-#   models: llama2_7b llama2_13b llama2_70b falcon_7b falcon_40b   (recipes/paper_<model>.yaml)
+#   models: llama2_7b llama2_7b_mmlu llama2_13b llama2_70b falcon_7b falcon_40b   (recipes/paper_<model>.yaml)
 #
 #   scripts/paper_sweep.sh llama2_7b
 #   scripts/paper_sweep.sh --group paper-7b-try2 --time=12:00:00 --partition=a100 llama2_7b \
@@ -28,6 +28,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 declare -A DEFAULT_NODES=(  # our choice, not the paper's: enough 80 GB A100s for the shards (docs/paper.md)
   [llama2_7b]=2
+  [llama2_7b_mmlu]=2  # the same on MMLU's auxiliary-train questions (recipes/paper_llama2_7b_mmlu.yaml)
   [llama2_13b]=2
   [llama2_70b]=8
   [falcon_7b]=2
@@ -68,7 +69,7 @@ shift
 MODEL=${GIVEN//-/_}
 MODEL=${MODEL#paper_}
 [ -n "${DEFAULT_NODES[$MODEL]+set}" ] \
-  || die "unknown model '$GIVEN'. Models: llama2_7b llama2_13b llama2_70b falcon_7b falcon_40b (recipes/paper_<model>.yaml)"
+  || die "unknown model '$GIVEN'. Models: llama2_7b llama2_7b_mmlu llama2_13b llama2_70b falcon_7b falcon_40b (recipes/paper_<model>.yaml)"
 RECIPE=paper_$MODEL
 [ -f "$ROOT/recipes/$RECIPE.yaml" ] || die "no recipes/$RECIPE.yaml"
 NODES=${NODES:-${DEFAULT_NODES[$MODEL]}}

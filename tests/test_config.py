@@ -35,6 +35,43 @@ def test_every_shipped_recipe_composes_and_validates(recipe):
     assert run_config.load_text(config.to_yaml(cfg)) == cfg
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_shipped_recipe_fits_its_planned_cluster_and_deepspeed_parses_its_config(recipe):
+    """What `train.py recipe=X --plan` checks: the memory plan on the recipe's cluster (cluster.nodes x
+    gpus_per_node) fits cluster.device_memory_gib (the tiny CPU recipes: nothing to check against); and the
+    DeepSpeed config the trainer builds for that world is accepted by DeepSpeed's own parser."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from zerotrain import engine, memory_plan
+
+    cfg = run_config.parse_args([f"recipe={recipe}"])
+    plan = memory_plan.plan(cfg)
+    assert plan.fits is not False, memory_plan.describe(plan)
+    assert (plan.fits is None) == (cfg.cluster.accelerator == "cpu")
+    world = plan.world.nodes * plan.world.gpus_per_node
+    ds = engine.deepspeed_config(cfg.zero, micro_batch_size=cfg.train.micro_batch_size,
+                                 grad_accum=cfg.train.grad_accum, grad_clip=cfg.train.grad_clip,
+                                 precision=cfg.train.precision, seed=cfg.run.seed, dp_size=world,
+                                 hpz_size=plan.hpz_size, extra=cfg.deepspeed)
+    assert ds["train_batch_size"] == cfg.train.micro_batch_size * cfg.train.grad_accum * world
+    # Outside a process group DeepSpeed's parser sees a world of one: the batch is checked per rank.
+    parsed = DeepSpeedConfig({**ds, "train_batch_size": ds["train_batch_size"] // world})
+    assert parsed.zero_optimization_stage == 3 and parsed.gradient_accumulation_steps == cfg.train.grad_accum
+    assert parsed.zero_config.zero_hpz_partition_size == plan.hpz_size
+
+
+@pytest.mark.parametrize("nodes", [8, 16, 32])
+def test_falcon_180b_sft_fits_8_16_and_32_nodes_of_8_80gb_gpus(nodes):
+    """docs/recipes.md's Falcon-180B rows; negative control: without the optimizer offload it does not fit 8."""
+    from zerotrain import memory_plan
+
+    plan = memory_plan.plan(run_config.parse_args(["recipe=falcon_180b_sft", f"cluster.nodes={nodes}"]))
+    assert plan.fits and plan.hpz_size == 8 and plan.checkpointing, memory_plan.describe(plan)
+    if nodes == 8:
+        resident = memory_plan.plan(run_config.parse_args(["recipe=falcon_180b_sft", "zero=zero3_hpz"]))
+        assert resident.fits is False
+
+
 @pytest.mark.parametrize("fragment", MODEL_FRAGMENTS)
 def test_model_shapes_match_their_published_parameter_counts(fragment):
     raw = yaml.safe_load((config.FRAGMENTS_DIR / "model" / f"{fragment}.yaml").read_text())

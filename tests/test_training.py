@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from chat_templates import LLAMA3_CHAT_TEMPLATE
 from tools.launcher import PYTHON, run, torchrun
 
 STEPS = 16
@@ -214,6 +215,62 @@ def test_tiny_falcon_trains_in_bf16_on_4_processes(tmp_path, shakespeare):
     assert curve[12] < curve[1] - 0.3, curve
     assert not (tmp_path / "falcon" / "wandb").exists()
 
+
+
+def test_tiny_llama3_trains_on_4_processes_under_hpz_and_fine_tunes_from_a_hub_id(tmp_path):
+    """recipes/tiny_llama3: data prepared with a trained Llama-3-style tokenizer (<|begin_of_text|> documents), a
+    GQA model with Llama-3 RoPE scaling and tied embeddings, 4 ranks with hpZ 2; the Hugging Face export carries the
+    Llama-3 shape and the run's tokenizer, and, put in a Hub cache, is fine-tuned from its Hub id offline."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    data = tmp_path / "shakespeare_llama3"
+    run([PYTHON, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt", f"output={data}",
+         "tokenizer.train_kind=llama3", "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"],
+        timeout=600)
+    torchrun(4, "train.py", "recipe=tiny_llama3", "train.steps=12", "train.log_interval=1", "schedule.warmup_steps=3",
+             "optim.lr=3e-3", "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.export_hf=true",
+             "wandb.enabled=false", f"run.output_dir={tmp_path}", "run.name=llama3", f"data.train.0.path={data}",
+             timeout=900)
+    run_dir = tmp_path / "llama3"
+    curve = losses(run_dir)
+    assert sorted(curve) == list(range(1, 13))
+    assert curve[12] < curve[1] - 0.5, curve
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if "loss" in r][-1]["hpz/shards_read"] > 0
+    export = run_dir / "hf"
+    hf = AutoConfig.from_pretrained(export)
+    assert (hf.num_key_value_heads, hf.tie_word_embeddings, hf.rope_parameters["rope_type"]) == (2, True, "llama3")
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert (tokenizer.bos_token_id, len(tokenizer)) == (1792, 2048)
+    assert tokenizer("To be")["input_ids"][0] == 1792  # as every training document starts
+
+    # The export as a Hub model in a fake Hub cache, offline: chat data rendered with the tokenizer's own template
+    # (fetched by Hub id), then fine-tuning from model.pretrained_path=<Hub id>@<commit> on 2 ranks (hpZ 2).
+    sha = "5ca1ab1e" * 5
+    snapshot = tmp_path / "hub" / "models--zerotrain-test--tiny-llama3" / "snapshots" / sha
+    shutil.copytree(export, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(sha)
+    config = json.loads((snapshot / "tokenizer_config.json").read_text())
+    config["chat_template"] = LLAMA3_CHAT_TEMPLATE
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    chats = tmp_path / "chats.jsonl"
+    chat = {"messages": [{"role": "user", "content": "Who wrote Hamlet?"},
+                         {"role": "assistant", "content": "William Shakespeare, who wrote many plays."}]}
+    chats.write_text((json.dumps(chat) + "\n") * 32)
+    run([PYTHON, "data/prepare.py", f"input={chats}", f"output={tmp_path / 'sft'}", "kind=sft",
+         "chat_template=tokenizer", "tokenizer=zerotrain-test/tiny-llama3", "valid_fraction=0", "progress=false"],
+        env=offline, timeout=300)
+    torchrun(2, "train.py", "recipe=tiny_llama3", "data.kind=sft", f"data.train.0.path={tmp_path / 'sft'}",
+             f"model.pretrained_path=zerotrain-test/tiny-llama3@{sha}", "train.steps=3", "train.log_interval=1",
+             "train.seq_len=64", "train.micro_batch_size=2", "optim.lr=1e-4", "schedule.warmup_steps=0",
+             "train.eval_interval=0", "wandb.enabled=false", f"run.output_dir={tmp_path}", "run.name=sft",
+             env=offline, timeout=600)
+    tuned = losses(tmp_path / "sft")
+    # From scratch the loss starts at ln(2048) = 7.62; the pretrained weights start below it.
+    assert sorted(tuned) == [1, 2, 3] and all(math.isfinite(v) for v in tuned.values()) and tuned[1] < 7.2, tuned
 
 
 def test_standalone_mmlu_scores_a_training_run_directory(uninterrupted, tmp_path):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
+from zerotrain import hub
 from zerotrain.attention import AttnImplementation, check_available, expand_multi_query_kv
 from zerotrain.errors import ConfigError
 from zerotrain.fields import bounded
@@ -57,7 +58,8 @@ class ModelConfig:
     family: ModelFamily = ModelFamily.llama
     """The architecture: llama | falcon."""
     pretrained_path: str | None = None
-    """A local Hugging Face checkpoint directory to fine-tune from; None trains the shape below from scratch."""
+    """A Hugging Face checkpoint to fine-tune from: a local directory or a Hub id org/name[@revision] (resolved in the
+    Hub cache, see zerotrain/hub.py); None trains the shape below from scratch."""
     hidden_size: int = bounded(4096, ge=1)
     """Width of the residual stream; a multiple of num_heads."""
     num_layers: int = bounded(32, ge=1)
@@ -194,7 +196,7 @@ def build_model(model: ModelConfig, precision: str, activation_checkpointing: bo
     kwargs = {"dtype": torch_dtype(precision), "attn_implementation": str(model.attn_implementation)}
     if model.pretrained_path:
         # No KV cache in training: with one, transformers would also stop reading packed documents off position_ids.
-        module = cls.from_pretrained(model.pretrained_path, use_cache=False, **kwargs)
+        module = cls.from_pretrained(hub.resolve(model.pretrained_path), use_cache=False, **kwargs)
     else:
         module = cls._from_config(hf_config(model), **kwargs)
     if model.attn_implementation == AttnImplementation.sdpa:

@@ -13,7 +13,7 @@ from zerotrain import config, run_config
 
 SCRIPT = REPO / "scripts" / "paper_sweep.sh"
 TRAIN_SBATCH = str(REPO / "slurm" / "train.sbatch")
-MODELS = {"llama2_7b": 2, "llama2_13b": 2, "llama2_70b": 8, "falcon_7b": 2, "falcon_40b": 4}
+MODELS = {"llama2_7b": 2, "llama2_7b_mmlu": 2, "llama2_13b": 2, "llama2_70b": 8, "falcon_7b": 2, "falcon_40b": 4}
 VARIANTS = ["zero3", "hpz-legacy", "hpz-sync", "hpz-ordered"]  # the paper's baseline is DeepSpeed <= 0.13.4
 
 

@@ -79,3 +79,44 @@ def falcon_like(tmp_path_factory, corpus_slice) -> Path:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory / "tokenizer.json"
 
+
+
+# Llama-3's tokenizer.json, written out independently of zerotrain.data.tokenizer: its Split pattern, a regex-free
+# ByteLevel pre-tokenizer, BPE with ignore_merges, and its 256 special tokens in their order.
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_NAMED = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 6: "<|start_header_id|>", 7: "<|end_header_id|>",
+                 9: "<|eot_id|>"}
+LLAMA3_SPECIAL_TOKENS = [_LLAMA3_NAMED.get(i, "") for i in range(256)]
+_reserved = iter(range(256))
+LLAMA3_SPECIAL_TOKENS = [t or f"<|reserved_special_token_{next(_reserved)}|>" for t in LLAMA3_SPECIAL_TOKENS]
+
+
+@pytest.fixture(scope="session")
+def llama3_like(tmp_path_factory, corpus_slice) -> Path:
+    """A tokenizer.json with the real Llama-3's id layout: BPE merges learnt from the corpus, the merged vocabulary
+    filled up to 128,000 ids with tokens no text reaches, then the 256 special tokens (<|begin_of_text|> = 128000,
+    <|end_of_text|> = 128001, <|eot_id|> = 128009): 128,256 ids, so shards need 32-bit ids. No tokenizer_config.json,
+    like the real file's directory."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(ignore_merges=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
+    trainer = trainers.BpeTrainer(vocab_size=1500, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus_slice.split("\n\n"), trainer)
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    vocab.update({f"unreachable{i}": i for i in range(len(vocab), 128000)})
+    data["model"]["ignore_merges"] = True
+    data["added_tokens"] = [{"id": 128000 + i, "content": name, "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": True}
+                            for i, name in enumerate(LLAMA3_SPECIAL_TOKENS)]
+    directory = tmp_path_factory.mktemp("llama3_like")
+    (directory / "tokenizer.json").write_text(json.dumps(data))
+    return directory / "tokenizer.json"

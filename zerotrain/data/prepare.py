@@ -3,8 +3,9 @@
 ``prepare(PrepareConfig(...))`` is what ``data/prepare.py`` runs. Steps:
 
 1. Records come from local files (:mod:`zerotrain.data.sources`) or a Hugging Face dataset.
-2. The tokenizer is loaded (``tokenizer=`` a tokenizer.model, tokenizer.json, model dir or prepared data dir), or
-   trained on the train split's text when ``tokenizer.path`` is unset (Llama-2 settings,
+2. The tokenizer is loaded (``tokenizer=`` a tokenizer.model, tokenizer.json, model dir, prepared data dir or Hub
+   id ``org/name[@revision]``), or trained on the train split's text when ``tokenizer.path`` is unset
+   (``tokenizer.train_kind``: sentencepiece with Llama-2's settings, or Llama-3's byte-level BPE;
    ``tokenizer.train_vocab_size``).
 3. Each record goes to ``valid`` when a keyed hash of its content falls below ``valid_fraction`` (deterministic,
    independent of order, and duplicates always land on the same side), else to ``train``.
@@ -45,17 +46,26 @@ from zerotrain.data.sources import (
     iter_hf_records,
     text_of,
 )
-from zerotrain.data.tokenizer import DATASET_TOKENIZER_DIR, Tokenizer, load_tokenizer, train_sentencepiece
+from zerotrain.data.tokenizer import (
+    DATASET_TOKENIZER_DIR,
+    Tokenizer,
+    load_tokenizer,
+    train_llama3_bpe,
+    train_sentencepiece,
+)
 from zerotrain.errors import DataError
 
 KINDS = ("pretrain", "sft")
+TRAIN_KINDS = ("sentencepiece", "llama3")
 
 
 @dataclass
 class TokenizerArgs:
-    # A tokenizer.model (Llama-2) / tokenizer.json (Falcon) / HF model dir / prepared data dir; None trains one.
+    # A tokenizer.model (Llama-2) / tokenizer.json (Falcon, Llama-3) / HF model dir / prepared data dir / Hub id
+    # org/name[@revision]; None trains one.
     path: Optional[str] = None
-    train_vocab_size: int = 32000  # size of a trained tokenizer
+    train_kind: str = "sentencepiece"  # a trained tokenizer: sentencepiece (Llama-2's kind) | llama3 (byte-level BPE)
+    train_vocab_size: int = 32000  # size of a trained tokenizer (llama3: with its 256 special tokens)
     train_sentences: int = 5_000_000  # lines of text to train it on (the first ones)
 
 
@@ -74,7 +84,7 @@ class PrepareConfig:
     prompt_field: str = "prompt"  # SFT fields
     response_field: str = "response"
     messages_field: str = "messages"
-    chat_template: str = "llama2"  # llama2 | plain (see zerotrain/data/sft.py)
+    chat_template: str = "llama2"  # llama2 | plain | tokenizer (its own Jinja template) | completion
     txt_split: str = "paragraphs"  # paragraphs | file (see zerotrain/data/sources.py)
     txt_doc_chars: int = 4000  # paragraphs mode: join paragraphs into documents of at least this many characters
     max_documents: int = 0  # > 0: use only the first N records (a quick slice)
@@ -93,7 +103,8 @@ def validate(cfg: PrepareConfig) -> None:
     if (cfg.input is None) == (cfg.hf_dataset is None):
         raise DataError("give exactly one of input=<files> or hf_dataset=<name or local dataset directory>")
     choices = {"kind": (cfg.kind, KINDS), "txt_split": (cfg.txt_split, TXT_SPLITS),
-               "chat_template": (cfg.chat_template, sft.TEMPLATES)}
+               "chat_template": (cfg.chat_template, sft.TEMPLATES),
+               "tokenizer.train_kind": (cfg.tokenizer.train_kind, TRAIN_KINDS)}
     for key, (value, options) in choices.items():
         if value not in options:
             close = difflib.get_close_matches(value, options, n=1)
@@ -103,7 +114,8 @@ def validate(cfg: PrepareConfig) -> None:
         raise DataError(f"valid_fraction={cfg.valid_fraction} must be in [0, 1)")
     if cfg.shard_tokens <= 0 or cfg.batch_documents <= 0:
         raise DataError("shard_tokens and batch_documents must be positive")
-    if cfg.tokenizer.path is None and cfg.tokenizer.train_vocab_size < 260:
+    if cfg.tokenizer.path is None and cfg.tokenizer.train_kind == "sentencepiece" and \
+            cfg.tokenizer.train_vocab_size < 260:
         raise DataError(f"tokenizer.train_vocab_size={cfg.tokenizer.train_vocab_size} is too small: a byte-fallback "
                         f"tokenizer needs 259 + the number of distinct characters")
 
@@ -178,6 +190,9 @@ def get_tokenizer(cfg: PrepareConfig, records: Callable[[], Iterator[Record]], o
     """The tokenizer to use (a trained one is written to ``out_dir``) and the manifest's note of its origin."""
     if cfg.tokenizer.path is not None:
         return load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path
+    if cfg.tokenizer.train_kind == "llama3":
+        tokenizer = train_llama3_bpe(_training_text(records(), cfg), out_dir, cfg.tokenizer.train_vocab_size)
+        return tokenizer, f"trained: Llama-3 byte-level BPE, vocab_size={cfg.tokenizer.train_vocab_size}"
     tokenizer = train_sentencepiece(
         _training_text(records(), cfg),
         out_dir / "tokenizer.model",
@@ -257,6 +272,8 @@ def build_manifest(cfg: PrepareConfig, tokenizer: Tokenizer, tokenizer_source: s
             "bos": bool(cfg.add_bos and tokenizer.bos_id not in (None, tokenizer.eos_id)),
             "eos": True,
             "chat_template": cfg.chat_template if cfg.kind == "sft" else None,
+            **({"chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()}
+               if cfg.kind == "sft" and cfg.chat_template == "tokenizer" else {}),
         },
         "splits": splits,
         "source": source,

@@ -20,6 +20,19 @@ ask. Templates (``chat_template``):
 
     {system}\\n\\nUser: {user}\\n\\nAssistant: {assistant}</s>User: {user}\\n\\nAssistant: {assistant}</s>
 
+``completion`` — no chat markup at all: ``[BOS] {prompt}{response} EOS``, texts concatenated as they are (messages
+in order; user and system text untrained). For prompts that carry their own format, e.g. MMLU's
+``...\nAnswer:`` with the response `` B`` (zerotrain/data/mmlu_sft.py).
+
+``tokenizer`` — the tokenizer's own Jinja chat template (``chat_template`` in its ``tokenizer_config.json``, or
+``chat_template.jinja``; what transformers' ``apply_chat_template`` renders, through the same renderer), e.g. a
+Llama-3-Instruct or Llama-2-chat tokenizer's. The trained part of each assistant turn is what the template adds
+for it after the generation prompt: ``render(messages[:i+1])`` minus ``render(messages[:i],
+add_generation_prompt=True)`` (Llama-3: ``{answer}<|eot_id|>``; Llama-2's template: `` {answer} </s>``, the
+``llama2`` format's mask exactly). Special-token strings the template writes (``<|start_header_id|>``, ``<s>``)
+become their ids; in message text they are refused, since the rendered text could not tell them apart. The template
+decides BOS; ``add_bos=false`` drops a leading one.
+
 Text between special tokens is tokenised in one piece (as a chat template would be), and a token belongs to the
 part of the text where it starts: the leading space of " {assistant}" is part of the answer, so the answer's first
 token ("▁Hello" / "ĠHello") is trained on, and the prompt tokens are exactly what an inference-time prompt encodes to.
@@ -27,6 +40,7 @@ token ("▁Hello" / "ĠHello") is trained on, and the prompt tokens are exactly 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -34,7 +48,7 @@ from zerotrain.data.sources import Record
 from zerotrain.data.tokenizer import Tokenizer
 from zerotrain.errors import DataError
 
-TEMPLATES = ("llama2", "plain")
+TEMPLATES = ("llama2", "plain", "tokenizer", "completion")
 ROLES = ("system", "user", "assistant")
 
 
@@ -93,6 +107,10 @@ def render(messages: list[dict[str, str]], template: str, tokenizer: Tokenizer, 
         return _render_llama2(messages, tokenizer, add_bos, where)
     if template == "plain":
         return _render_plain(messages, tokenizer, add_bos)
+    if template == "tokenizer":
+        return _render_tokenizer_template(messages, tokenizer, add_bos, where)
+    if template == "completion":
+        return _render_completion(messages, tokenizer, add_bos)
     raise DataError(f"chat_template={template}: unknown; valid: {', '.join(TEMPLATES)}")
 
 
@@ -128,6 +146,76 @@ def _render_plain(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos:
             parts.append(Text(f"User: {content}\n\nAssistant:", False))
         else:
             parts += [Text(f" {content}", True), Special(tokenizer.eos_id, True)]
+    return parts
+
+
+def _render_completion(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos: bool) -> list[Part]:
+    parts: list[Part] = _bos(tokenizer, add_bos)
+    for message in messages:
+        if message["role"] == "assistant":
+            parts += [Text(message["content"], True), Special(tokenizer.eos_id, True)]
+        else:
+            parts.append(Text(message["content"], False))
+    return parts
+
+
+def _apply_jinja(template: str, messages: list[dict[str, str]], tokenizer: Tokenizer, generation_prompt: bool,
+                 where: str) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template  # apply_chat_template's renderer
+
+    names = {key: tokenizer.token_text(token_id) for key, token_id in
+             (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))
+             if token_id is not None}
+    try:
+        rendered, _ = render_jinja_template([messages], chat_template=template,
+                                            add_generation_prompt=generation_prompt, **names)
+    except Exception as e:  # noqa: BLE001 -- jinja2's errors and the template's own raise_exception()
+        raise DataError(f"{where}: the tokenizer's chat template refused this conversation: "
+                        f"{' '.join(str(e).split())}") from None
+    return rendered[0]
+
+
+def _render_tokenizer_template(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos: bool,
+                               where: str) -> list[Part]:
+    template = tokenizer.chat_template
+    if template is None:
+        raise DataError(f"chat_template=tokenizer: the tokenizer has no chat template (no \"chat_template\" in the "
+                        f"tokenizer_config.json beside it, no chat_template.jinja). Use the tokenizer of a chat model "
+                        f"(e.g. an -Instruct or -chat checkpoint directory), or chat_template=llama2 | plain")
+    special = tokenizer.special_tokens()
+    for i, message in enumerate(messages):
+        found = [text for text in special if text in message["content"]]
+        if found:
+            raise DataError(f"{where}: message {i} ({message['role']}) contains {found[0]!r}, a special token of the "
+                            f"tokenizer; in a rendered chat template it would become that control token. Remove it, "
+                            f"or use chat_template=llama2 | plain, which keep such strings as text")
+    full = _apply_jinja(template, messages, tokenizer, False, where)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _apply_jinja(template, messages[:i], tokenizer, True, where)
+        upto = _apply_jinja(template, messages[: i + 1], tokenizer, False, where)
+        if not (upto.startswith(prompt) and full.startswith(upto)):
+            raise DataError(f"{where}: the tokenizer's chat template renders a conversation's beginning differently "
+                            f"from the whole conversation (at message {i}), so the assistant's tokens cannot be told "
+                            f"apart; use chat_template=llama2 | plain")
+        spans.append((len(prompt), len(upto)))
+    cuts = sorted({0, len(full), *(p for span in spans for p in span)})
+    marker = re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))) if special else None
+    parts: list[Part] = []
+    for start, end in zip(cuts[:-1], cuts[1:]):
+        trainable = any(a <= start < b for a, b in spans)
+        segment, position = full[start:end], 0
+        for match in marker.finditer(segment) if marker else ():
+            if match.start() > position:
+                parts.append(Text(segment[position:match.start()], trainable))
+            parts.append(Special(special[match.group()], trainable))
+            position = match.end()
+        if position < len(segment):
+            parts.append(Text(segment[position:], trainable))
+    if not add_bos and parts and parts[0] == Special(tokenizer.bos_id, False):
+        parts = parts[1:]
     return parts
 
 

@@ -21,9 +21,11 @@ Implementations:
   ``AutoTokenizer`` loads as a fast tokenizer adding BOS like Llama-2's, with neither ``sentencepiece`` nor
   ``protobuf`` installed. (Left to convert ``tokenizer.model`` itself, transformers drops the dummy-prefix piece of
   text that starts with whitespace: ``" Hello"`` -> ``[15043]`` instead of Llama-2's ``[29871, 15043]``.)
-* ``tokenizer_json``: a Hugging Face ``tokenizers`` file (Falcon's byte-level BPE). The file has no notion of BOS/EOS,
-  so they come from a ``tokenizer_config.json``/``special_tokens_map.json`` next to it, else from well-known names
-  (``<|endoftext|>`` for Falcon).
+* ``tokenizer_json``: a Hugging Face ``tokenizers`` file (Falcon's and Llama-3's byte-level BPE). The file has no
+  notion of BOS/EOS, so they come from a ``tokenizer_config.json``/``special_tokens_map.json`` next to it, else from
+  well-known special tokens (``<|endoftext|>`` for Falcon; ``<|begin_of_text|>``/``<|end_of_text|>`` for Llama-3).
+  :func:`train_llama3_bpe` trains one of Llama-3's kind (its pre-tokenizer, byte-level BPE, its 256 special tokens
+  after the merged ones) for CPU-sized models.
 * ``transformers``: :class:`TransformersTokenizer` wraps a ``transformers`` tokenizer, e.g. the one of a Hugging Face
   checkpoint being evaluated (:func:`as_tokenizer` wraps one and passes a :class:`Tokenizer` through).
 
@@ -81,6 +83,27 @@ LLAMA2_TRAINER_SPEC = dict(
     vocabulary_output_piece_score=True,
     minloglevel=2,  # errors only: sentencepiece otherwise logs every one of the 256 byte pieces
 )
+
+# Llama-3's pre-tokenizer split (tokenizer.json's Split pattern, from tiktoken's cl100k): contractions, letter runs
+# with one leading non-letter, 1-3 digit groups, punctuation runs, newlines, other whitespace.
+LLAMA3_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                        r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_BOS, LLAMA3_EOS, LLAMA3_EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
+LLAMA3_NUM_SPECIAL = 256
+
+
+def llama3_special_tokens() -> list[str]:
+    """Llama-3's 256 special tokens in id order (128000 + i in the real vocabulary)."""
+    named = {0: LLAMA3_BOS, 1: LLAMA3_EOS, 6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: LLAMA3_EOT}
+    tokens, reserved = [], 0
+    for i in range(LLAMA3_NUM_SPECIAL):
+        if i in named:
+            tokens.append(named[i])
+        else:
+            tokens.append(f"<|reserved_special_token_{reserved}|>")
+            reserved += 1
+    return tokens
+
 
 # Names tried, in order, when a tokenizer.json comes without a config naming its special tokens.
 KNOWN_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -142,6 +165,15 @@ class Tokenizer(ABC):
     def token_text(self, token_id: int) -> str:
         """The text of one (special) token, e.g. ``</s>``."""
 
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own Jinja chat template (``tokenizer_config.json``'s ``chat_template``), or None."""
+        return None
+
+    def special_tokens(self) -> dict[str, int]:
+        """Text -> id of every special (control) token: what a rendered chat template's markers become."""
+        return {}
+
     def describe(self) -> dict:
         """What a manifest records about the tokenizer."""
         return {"kind": self.kind, "vocab_size": self.vocab_size, "bos_id": self.bos_id, "eos_id": self.eos_id,
@@ -162,6 +194,10 @@ class FileTokenizer(Tokenizer):
     def sha256(self) -> str:
         return file_sha256(self.path)
 
+    @property
+    def chat_template(self) -> str | None:
+        return _chat_template_next_to(self.path)
+
     def describe(self) -> dict:
         return {**super().describe(), "file": self.filename, "sha256": self.sha256}
 
@@ -178,6 +214,9 @@ class FileTokenizer(Tokenizer):
             if token_id is not None
         }
         config = {**self._hf_config(), **special}
+        template = self.chat_template  # read before the config file below may replace the one it came from
+        if template is not None:
+            config["chat_template"] = template
         _write_json(out / "tokenizer_config.json", config)
         _write_json(out / "special_tokens_map.json", special)
         return [target, out / "tokenizer_config.json", out / "special_tokens_map.json"]
@@ -236,6 +275,9 @@ class SentencePieceTokenizer(FileTokenizer):
 
     def token_text(self, token_id: int) -> str:
         return self._sp.id_to_piece(token_id)
+
+    def special_tokens(self) -> dict[str, int]:
+        return {self.token_text(i): i for i in range(self.vocab_size) if self._sp.is_control(i)}
 
     def save_pretrained(self, out_dir: str | Path) -> list[Path]:
         """The model verbatim (for sentencepiece users such as a slow tokenizer), its exact ``tokenizer.json`` (what
@@ -316,10 +358,11 @@ class TokenizerJson(FileTokenizer):
             if token_id is None:
                 raise DataError(f"{self.path}: special token {configured!r} named in its config is not in the vocab")
             return token_id
+        # Only special (added) tokens qualify: in a byte-level vocabulary "</s>" may well be an ordinary merged token.
+        special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         for name in fallbacks:
-            token_id = self._tok.token_to_id(name)
-            if token_id is not None:
-                return token_id
+            if name in special:
+                return special[name]
         return None
 
     @property
@@ -354,6 +397,9 @@ class TokenizerJson(FileTokenizer):
 
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id)
+
+    def special_tokens(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def _hf_config(self) -> dict:
         return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
@@ -406,6 +452,16 @@ class TransformersTokenizer(Tokenizer):
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens(token_id)
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default one
+            template = template.get("default")
+        return template if isinstance(template, str) else None
+
+    def special_tokens(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
 
     def describe(self) -> dict:
         return {**super().describe(), "class": type(self.tokenizer).__name__,
@@ -461,14 +517,38 @@ def _special_tokens_next_to(path: Path) -> dict[str, str]:
     return found
 
 
+def _chat_template_next_to(path: Path) -> str | None:
+    """The Jinja chat template saved beside a tokenizer file: ``chat_template.jinja`` (transformers' own file, which
+    it prefers), else ``tokenizer_config.json``'s ``chat_template`` (a string, or named templates: "default")."""
+    jinja = path.parent / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config_path = path.parent / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        template = json.loads(config_path.read_text()).get("chat_template")
+    except json.JSONDecodeError as e:
+        raise DataError(f"{config_path}: not valid JSON ({e})") from None
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+    return template if isinstance(template, str) else None
+
+
 def find_tokenizer_file(path_or_dir: str | Path) -> Path:
-    """The tokenizer file a path names: the file itself, or the one in a model or prepared-data directory."""
+    """The tokenizer file a path names: the file itself, the one in a model or prepared-data directory, or the one
+    of a Hugging Face Hub id ``org/name[@revision]`` (from the Hub cache, see zerotrain.hub)."""
+    from zerotrain import hub
+
     path = Path(path_or_dir)
     if path.is_file():
         return path
+    if hub.parse(path_or_dir) is not None:
+        path = hub.resolve(str(path_or_dir), "tokenizer", tokenizer_only=True)
     if not path.is_dir():
         raise DataError(f"{path}: no such tokenizer file or directory. Pass a tokenizer.model (Llama-2), "
-                        f"a tokenizer.json (Falcon), a directory holding one, or a prepared data directory")
+                        f"a tokenizer.json (Falcon, Llama-3), a directory holding one, a prepared data directory or "
+                        f"a Hugging Face Hub id org/name[@revision]")
     if (path / "manifest.json").is_file() and (path / DATASET_TOKENIZER_DIR).is_dir():
         path = path / DATASET_TOKENIZER_DIR
     for name in ("tokenizer.model", "tokenizer.json"):
@@ -523,3 +603,49 @@ def train_sentencepiece(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_bytes(model.getvalue())
     return SentencePieceTokenizer(out_path)
+
+
+def train_llama3_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: int) -> TokenizerJson:
+    """Train a byte-level BPE tokenizer of Llama-3's kind on ``texts``; writes ``out_dir/tokenizer.json`` and a
+    ``tokenizer_config.json`` naming ``<|begin_of_text|>``/``<|end_of_text|>`` as BOS/EOS.
+
+    Llama-3's pipeline: no normaliser, :data:`LLAMA3_SPLIT_PATTERN` then a regex-free ByteLevel pre-tokenizer,
+    BPE with ``ignore_merges`` (a whole pre-token found in the vocabulary is one token), ByteLevel decoder, a
+    post-processor adding ``<|begin_of_text|>`` (Llama-3.1's; so an export adds BOS as training did), and its
+    256 special tokens after the ``vocab_size - 256`` merged ones (as ids 128000-128255 follow the 128000 merged
+    tokens of the real one). Deterministic: the same texts give the same file.
+    """
+    from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HfTokenizer
+
+    merged = vocab_size - LLAMA3_NUM_SPECIAL
+    if merged < 256:
+        raise DataError(f"tokenizer.train_vocab_size={vocab_size} is too small for a Llama-3 tokenizer: it needs the "
+                        f"256 byte tokens plus the {LLAMA3_NUM_SPECIAL} special tokens (at least 512)")
+    tokenizer = HfTokenizer(models.BPE(ignore_merges=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    # Llama-3.1's tokenizer.json: with add_special_tokens, transformers puts <|begin_of_text|> in front, as our
+    # documents have it (the first Llama-3 release added nothing there). encode() never adds it.
+    tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+        processors.TemplateProcessing(single=f"{LLAMA3_BOS}:0 $A:0", pair=f"{LLAMA3_BOS}:0 $A:0 {LLAMA3_BOS}:1 $B:1",
+                                      special_tokens=[(LLAMA3_BOS, vocab_size - LLAMA3_NUM_SPECIAL)]),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=merged, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.model.ignore_merges = True  # training replaces the model; Llama-3's sets this
+    if tokenizer.get_vocab_size() != merged:
+        raise DataError(f"the text has too little variety for a {vocab_size}-token Llama-3 tokenizer "
+                        f"({tokenizer.get_vocab_size()} merged tokens, {merged} wanted); lower "
+                        f"tokenizer.train_vocab_size")
+    tokenizer.add_special_tokens(llama3_special_tokens())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", {"bos_token": LLAMA3_BOS, "eos_token": LLAMA3_EOS})
+    return TokenizerJson(out / "tokenizer.json")
