@@ -18,7 +18,7 @@ key             section                                                 used by
 ``optim``       :class:`zerotrain.engine.OptimConfig`                   the optimizer
 ``schedule``    :class:`zerotrain.schedule.ScheduleConfig`              the learning-rate schedule
 ``train``       :class:`TrainConfig` (here)                             the loop, the engine's batch, validation
-``checkpoint``  :class:`zerotrain.checkpoint.CheckpointConfig`          saving and resuming
+``checkpoint``  :class:`zerotrain.checkpoint.config.CheckpointConfig`   saving and resuming
 ``wandb``       :class:`zerotrain.loggers.WandbConfig`                  the metrics logger
 ``mmlu``        :class:`zerotrain.evaluation.training_hook.MMLUConfig`  MMLU during training
 ``comm``        :class:`zerotrain.comm_accounting.CommConfig`           communication accounting
@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 
 from zerotrain import config
 from zerotrain.attention import AttnImplementation
-from zerotrain.checkpoint import CheckpointConfig
+from zerotrain.checkpoint.config import CheckpointConfig
 from zerotrain.comm_accounting import CommConfig
 from zerotrain.data.loader import DataConfig
 from zerotrain.distributed import ClusterConfig

@@ -33,7 +33,6 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from zerotrain import (
     checkpoint,
-    checkpoint_convert,
     config,
     distributed,
     durable,
@@ -44,7 +43,7 @@ from zerotrain import (
 )
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
-from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, StorageError, TrainingDiverged, ZerotrainError
+from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, StorageError, TrainingDiverged, ZerotrainError
 from zerotrain.hpz.config import GradReduce
 from zerotrain.hpz.emulated_run import EmulatedRun
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
@@ -138,12 +137,11 @@ class Trainer:
             cfg.zero, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
             grad_clip=train.grad_clip, precision=train.precision, seed=cfg.run.seed, dp_size=self.dp_size,
             hpz_size=self.layout.hpz_size, extra=cfg.deepspeed)
-        # A checkpoint of another world size resumes from its universal copy (made here if needed, before anything
-        # is written or built), which DeepSpeed reads only when its config says so at initialize.
-        if cfg.checkpoint.resume and checkpoint_convert.prepare_resume(
-                self.ckpt_root, self.dist.rank, self.dist.world_size, train.micro_batch_size, train.grad_accum,
-                convert_on_resize=cfg.checkpoint.convert_on_resize, verify=cfg.checkpoint.verify):
-            self.ds_config["checkpoint"] = {"load_universal": True}
+        # Before anything is written or built: a checkpoint of another world size resumes from its universal copy
+        # (made here if needed), which DeepSpeed reads only when its config says so at initialize.
+        self.resume_plan = checkpoint.plan_resume(cfg.checkpoint, self.ckpt_root, self.dist.rank,
+                                                  self.dist.world_size, train.micro_batch_size, train.grad_accum)
+        self.ds_config.update(self.resume_plan.deepspeed_config)
         self._write_run_files()
         distributed.seed_everything(cfg.run.seed)
 
@@ -262,15 +260,7 @@ class Trainer:
                  self.cfg.hpz.mode if self.layout.hpz_size > 1 else "off")
 
     def _maybe_resume(self) -> bool:
-        if not self.cfg.checkpoint.resume:
-            if checkpoint.latest_tag(self.ckpt_root) is not None:
-                raise CheckpointError(
-                    f"{self.ckpt_root} holds checkpoints and checkpoint.resume=false: refusing to overwrite them. "
-                    f"Choose another run.name, or resume with checkpoint.resume=true"
-                )
-            return False
-        loaded = checkpoint.load(self.engine, self.ckpt_root, self.dist.rank, self.dist.world_size,
-                                 verify=self.cfg.checkpoint.verify)
+        loaded = checkpoint.resume(self.engine, self.resume_plan, self.dist.rank, self.dist.world_size)
         if loaded is None:
             return False
         self.state, rank_state = loaded
@@ -459,11 +449,9 @@ class Trainer:
             log.info("checkpoint saved: %s", path)
 
     def _export(self) -> None:
-        from zerotrain.export import export_checkpoint
-
         out = self.run_dir / "hf"
         if self.dist.is_main:
-            export_checkpoint(self.ckpt_root / checkpoint.tag_for(self.state.step), out)
+            checkpoint.export_checkpoint(self.ckpt_root / checkpoint.tag_for(self.state.step), out)
             log.info("Hugging Face export written: %s", out)
         distributed.barrier()
 
