@@ -48,7 +48,6 @@ from zerotrain.evaluation.training_hook import MMLUConfig
 from zerotrain.fields import bounded
 from zerotrain.hpz.config import HpzConfig
 from zerotrain.loggers import WandbConfig
-from zerotrain.memory_plan import MemoryCheck
 from zerotrain.models import ModelConfig, validate_model
 from zerotrain.schedule import ScheduleConfig
 
@@ -68,6 +67,12 @@ NanPolicy = StrEnum("NanPolicy", [("stop", "stop"), ("continue", "continue")])
 class LossReduction(StrEnum):
     token = "token"  # every trained token of the optimizer step weighs the same, over micro-batches and ranks
     micro_batch = "micro_batch"  # the mean over each micro-batch's tokens, then the mean of those means
+
+
+class MemoryCheck(StrEnum):
+    refuse = "refuse"  # a plan over the device's memory stops train.py (exit code 2), before any process group
+    warn = "warn"  # logged, and the run starts
+    off = "off"  # no plan at start-up
 
 
 @dataclass

@@ -86,7 +86,7 @@ def check_resumable(cfg: Any, tag_dir: Path, saved_yaml: str, saved_world_size: 
     refused = {key: values for key, values in changed.items() if not _may_change(key)}
     if saved_world_size is not None and set(refused) & set(BATCH_SPLIT_KEYS):
         from zerotrain.checkpoint import GlobalBatch, check_global_batch, saved_global_batch
-        from zerotrain.memory_plan import launched_world
+        from zerotrain.launch.world import launched_world
 
         saved = saved_global_batch({"config": saved_yaml, "world_size": saved_world_size})
         check_global_batch(tag_dir, saved, GlobalBatch(cfg.train.micro_batch_size, cfg.train.grad_accum,
