@@ -63,6 +63,7 @@ from zerotrain import durable
 from zerotrain.checkpoint import sharded
 from zerotrain.checkpoint.layout import META, OURS, RANK_STATE, latest_tag, rank_file, universal_dir
 from zerotrain.distributed import all_agree, gather_objects
+from zerotrain.ds_patches import require_supported
 from zerotrain.errors import CheckpointError, ZerotrainError
 
 log = logging.getLogger("zerotrain")
@@ -260,6 +261,9 @@ def repair(engine, universal: Path) -> None:
       gets its own copy here;
     - that ``step`` is on the CPU (``ds_to_universal`` saved it from the CPU), which torch's fused CUDA AdamW refuses
       at the first step; each copy goes where torch itself would put it (:func:`step_device`)."""
+    require_supported("zerotrain.checkpoint.universal.repair", "ZeRO-3 universal-checkpoint load "
+                      "(load_hp_checkpoint_state_from_checkpoint_dir_stage3)",
+                      "resume on the number of ranks that saved the checkpoint")
     saved = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False)
     groups = saved.get("optimizer_state_dict", saved).get("param_groups")
     optimizer = engine.optimizer.optimizer  # the torch optimizer under ZeRO-3's partitioning
