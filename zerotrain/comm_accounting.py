@@ -349,10 +349,6 @@ def uninstall() -> None:
     _active = None
 
 
-def empty_snapshot() -> dict[str, dict[str, float]]:
-    return {}
-
-
 def snapshot_and_reset(all_ranks: bool = False) -> dict[str, dict[str, float]]:
     """This rank's counters since the last call, ``{kind: {calls, send_intra, send_inter, recv_intra,
     recv_inter}}``, and zero them. ``all_ranks=True`` sums them over the world (every rank must call it: one small

@@ -267,18 +267,10 @@ def hpz_size(zero: Mapping[str, Any], world: World) -> int:
 
 
 def _run_choices(cfg: Any) -> tuple[bool, str, bool]:
-    """Activation checkpointing, attention implementation and whether batches carry an attention mask.
-
-    ``train.activation_checkpointing`` and ``model.attn_implementation`` are other work of issue 10: absent, the run
-    has no checkpointing and uses transformers' default, sdpa. Batches carry a mask when they are padded (SFT, or
-    pretraining without packing); pretraining windows do not.
-    """
-    checkpointing = bool(getattr(cfg.train, "activation_checkpointing", False))
-    attn_impl = str(getattr(cfg.model, "attn_implementation", "sdpa"))
-    # Packed batches carry per-document position_ids, from which transformers builds a block mask whenever a
-    # sequence holds more than one document (nearly every window); unpacked ones carry a padding mask.
-    masked = True
-    return checkpointing, attn_impl, masked
+    """Activation checkpointing, attention implementation and whether batches carry an attention mask: always, as
+    packed batches carry per-document position_ids, from which transformers builds a block mask whenever a sequence
+    holds more than one document (nearly every window), and unpacked ones carry a padding mask."""
+    return bool(cfg.train.activation_checkpointing), str(cfg.model.attn_implementation), True
 
 
 def _attention_path(model: models.ModelConfig, attn_impl: str, masked: bool) -> str:
