@@ -380,6 +380,12 @@ def snapshot_and_reset(all_ranks: bool = False) -> dict[str, dict[str, float]]:
     return out
 
 
+def interval_metrics(steps: int) -> dict[str, float]:
+    """The trainer's metric source: the counters since the last call, summed over ranks, as per-step averages over
+    ``steps`` (:func:`metrics_record`). Collective."""
+    return metrics_record(snapshot_and_reset(all_ranks=True), steps)
+
+
 def metrics_record(snapshot: dict[str, dict[str, float]], steps: int) -> dict[str, float]:
     """Per-step averages of a snapshot under the keys the trainer logs:
 

@@ -2,8 +2,9 @@
 
 One class, read top to bottom: ``__init__`` sets everything up in the order the pieces depend on each other,
 ``fit`` runs the steps. Everything it uses lives in its own module, and each component decides when it is due
-(``CheckpointConfig.save_due``, ``Validation.due``, ``MMLUHook.due``, ``TrainConfig.log_due``/``exit_due``); this
-file only wires them together, handing each component its own section of the config.
+(``CheckpointConfig.save_due``, ``Validation.due``, ``MMLUHook.due``, ``TrainConfig.log_due``/``exit_due``) and what
+it adds to a logged line (a :data:`MetricSource`); this file only wires them together, handing each component its
+own section of the config.
 
 Code outside the loop (tests, benchmarks, profilers) observes every step through :class:`StepCallback` objects
 passed to the trainer (``Trainer(cfg, callbacks=[...])``), on every rank, right before and right after each
@@ -21,7 +22,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,11 @@ class StepCallback:
         pass
 
 
+# A component's part of each logged line: called with the steps since its previous call, it returns what it counted
+# over them under its own keys (and starts counting afresh). Collective: every rank calls it at the same steps.
+MetricSource = Callable[[int], dict[str, Any]]
+
+
 class Trainer:
     def __init__(self, cfg: Config, callbacks: Sequence[StepCallback] = ()):
         self.cfg = cfg
@@ -181,17 +187,24 @@ class Trainer:
         self.window = [StepResult(**r) for r in self.state.extra.get(LOG_WINDOW, [])]
         self._pending: list[_PendingStep] = []  # steps after the window's, not reduced over ranks yet
         self._reduced: dict[int, StepResult] = {}  # this line's steps by number, for StepView
-        self._steps_since_snapshot = 0  # the steps the communication counters have seen since their last snapshot
+        self._steps_since_snapshot = 0  # the steps the metric sources have counted since their last call
         self.logger = MetricsLogger(cfg.wandb, self.run_dir, self.dist.is_main,
                                     resume_step=self.state.step if resumed else None,
                                     wandb_run_id=self.state.wandb_run_id, run_name=cfg.run.name,
                                     run_config=config.as_container(cfg), total_steps=train.steps)
         self.state.wandb_run_id = self.logger.wandb_run_id or self.state.wandb_run_id
         self.peak_tflops = metrics.peak_tflops(train.precision, cfg.cluster.peak_tflops)
+        # What the components add to each logged line, in this order.
+        self.metric_sources: list[MetricSource] = []
+        if self.hpz_active:
+            self.metric_sources.append(hpz.interval_metrics)
+        if self.emulation is not None:
+            self.metric_sources.append(self.emulation.interval_metrics)
         if cfg.comm.accounting:  # installed last, so start-up traffic (zero.Init, resume) is not counted
             from zerotrain import comm_accounting
 
             comm_accounting.install(self.layout)
+            self.metric_sources.append(comm_accounting.interval_metrics)
 
     # ----------------------------------------------------------------------------------------------------------
     # Set-up helpers
@@ -423,20 +436,10 @@ class Trainer:
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             **metrics.memory_gib(),
         }
-        if self.hpz_active:
-            from zerotrain import hpz
-
-            out.update({f"hpz/{k}": v for k, v in hpz.counters().items()})
-            hpz.reset_counters()
-        if self.emulation is not None:  # every rank reaches here: summed over ranks
-            out.update(self.emulation.interval_metrics())
-        if self.cfg.comm.accounting:  # every rank reaches here: the snapshot is summed over ranks
-            from zerotrain import comm_accounting
-
-            snapshot = comm_accounting.snapshot_and_reset(all_ranks=True)
-            # A window restored from a checkpoint holds steps whose traffic was counted by the previous launch.
-            out.update(comm_accounting.metrics_record(snapshot, max(1, self._steps_since_snapshot)))
-            self._steps_since_snapshot = 0
+        for source in self.metric_sources:  # every rank reaches here, as the collective sources need
+            # A window restored from a checkpoint holds steps the previous launch counted: not the window's length.
+            out.update(source(max(1, self._steps_since_snapshot)))
+        self._steps_since_snapshot = 0
         return out
 
     def _save(self) -> None:

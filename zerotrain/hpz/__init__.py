@@ -151,6 +151,14 @@ def reset_counters() -> None:
     _counters.reset()
 
 
+def interval_metrics(steps: int) -> Dict[str, int]:
+    """This rank's counters since the last call, under ``hpz/<name>`` (the trainer's metric source), then reset.
+    ``steps``: the steps they cover (the counts are totals over them)."""
+    out = {f"hpz/{k}": v for k, v in counters().items()}
+    reset_counters()
+    return out
+
+
 def patched_attributes() -> list:
     """(owner, name, original) for every attribute currently replaced; original None = was absent."""
     return _patches.records() if _patches is not None else []
