@@ -273,7 +273,7 @@ class Trainer:
                  self.cfg.hpz.mode if self.layout.hpz_size > 1 else "off")
 
     def _maybe_resume(self) -> bool:
-        loaded = checkpoint.resume(self.engine, self.resume_plan, self.dist.rank, self.dist.world_size)
+        loaded = checkpoint.execute_resume(self.engine, self.resume_plan, self.dist.rank, self.dist.world_size)
         if loaded is None:
             return False
         self.state, rank_state = loaded

@@ -1,15 +1,15 @@
 """Checkpoints: save, verify, resume (on the same or another number of ranks), export. What the trainer and the
 tools use is imported here; each module owns one part of the format:
 
-=======================================  ==================================================================
-:mod:`zerotrain.checkpoint.layout`       the directory layout: names, paths, ``latest``, :func:`resolve_tag_dir`
-:mod:`zerotrain.checkpoint.config`       the ``checkpoint`` section of the run config
-:mod:`zerotrain.checkpoint.sharded`      one world's checkpoint: atomic, checksummed save; metadata and file checks
-:mod:`zerotrain.checkpoint.universal`    another world's resume: the global-batch check, the conversion to
-                                         DeepSpeed's universal format, the repairs to DeepSpeed's load of it
-:mod:`zerotrain.checkpoint.resume`       :func:`plan_resume` before the engine is built, :func:`resume` after
-:mod:`zerotrain.checkpoint.export`       a checkpoint as a Hugging Face directory
-=======================================  ==================================================================
+=====================================  ==============================================================================
+:mod:`zerotrain.checkpoint.layout`     the directory layout: names, paths, ``latest``, :func:`resolve_tag_dir`
+:mod:`zerotrain.checkpoint.config`     the ``checkpoint`` section of the run config
+:mod:`zerotrain.checkpoint.sharded`    one world's checkpoint: atomic, checksummed save; metadata and file checks
+:mod:`zerotrain.checkpoint.universal`  another world's resume: the global-batch check, the conversion to DeepSpeed's
+                                       universal format, the repairs to DeepSpeed's load of it
+:mod:`zerotrain.checkpoint.resume`     :func:`plan_resume` before the engine is built, :func:`execute_resume` after
+:mod:`zerotrain.checkpoint.export`     a checkpoint as a Hugging Face directory
+=====================================  ==============================================================================
 
 Command lines: ``python -m zerotrain.export`` and ``python -m zerotrain.checkpoint_convert``.
 """
@@ -32,7 +32,7 @@ from zerotrain.checkpoint.universal import (
     prepare_resume,
     saved_global_batch,
 )
-from zerotrain.checkpoint.resume import ResumePlan, plan_resume, resume
+from zerotrain.checkpoint.resume import ResumePlan, execute_resume, plan_resume
 from zerotrain.checkpoint.export import export_checkpoint
 from zerotrain.errors import CheckpointError
 
@@ -54,7 +54,7 @@ __all__ = [
     "prepare_resume",
     "read_meta",
     "resolve_tag_dir",
-    "resume",
+    "execute_resume",
     "save",
     "saved_global_batch",
     "tag_for",

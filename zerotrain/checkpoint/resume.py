@@ -7,7 +7,7 @@ The trainer calls the two halves in this order, each collective (every rank, sam
    copy (:func:`zerotrain.checkpoint.universal.prepare_resume` makes the copy here if needed). The plan's
    :attr:`ResumePlan.deepspeed_config` is what the DeepSpeed config needs for that (DeepSpeed reads a universal
    checkpoint only when its config says so at initialize);
-2. :func:`resume`, once the engine exists: ``checkpoint.resume=false`` over existing checkpoints is refused;
+2. :func:`execute_resume`, once the engine exists: ``checkpoint.resume=false`` over existing checkpoints is refused;
    otherwise the latest checkpoint (or its universal copy) is verified and loaded into the engine, a universal load
    repaired (:func:`zerotrain.checkpoint.universal.repair`), and the loop's state and this rank's own state (RNG,
    data-loader position) returned for the trainer to put back.
@@ -29,7 +29,7 @@ from zerotrain.errors import CheckpointError
 
 @dataclass(frozen=True)
 class ResumePlan:
-    """What :func:`plan_resume` decided, for :func:`resume` to carry out."""
+    """What :func:`plan_resume` decided, for :func:`execute_resume` to carry out."""
 
     root: Path
     """The run's checkpoints directory."""
@@ -57,8 +57,8 @@ def plan_resume(section: CheckpointConfig, root: Path, rank: int, world_size: in
     return ResumePlan(root, enabled=section.resume, verify=section.verify, universal=needs_universal)
 
 
-def resume(engine, plan: ResumePlan, rank: int, world_size: int
-           ) -> Optional[tuple[sharded.TrainState, dict[str, Any]]]:
+def execute_resume(engine, plan: ResumePlan, rank: int, world_size: int
+                   ) -> Optional[tuple[sharded.TrainState, dict[str, Any]]]:
     """Collective, once the engine is built from the plan's DeepSpeed config: load the latest checkpoint into it.
     Returns (the loop's state, this rank's state), or None when there is nothing to resume."""
     if not plan.enabled:

@@ -19,10 +19,10 @@ calls it) decides whether a resume needs the copy:
    very checkpoint; otherwise each rank checks the CRC32 of its share of the source files, and rank 0 converts
    (``checkpoint.convert_on_resize=false`` refuses instead, naming the command above). The other ranks wait by
    polling a one-integer all-reduce, so a conversion longer than the collective timeout is not an error;
-4. it returns True: the engine is built to read the copy, :func:`zerotrain.checkpoint.resume` loads it (each rank
-   checking the CRC32 of its share of the copy's files) and calls :func:`repair`, which undoes the defects of
-   DeepSpeed 0.19.8's load of it (without it the resumed run optimises differently from the run that saved;
-   ``tests/test_resume_resize.py`` keeps a control with the repair switched off).
+4. it returns True: the engine is built to read the copy, :func:`zerotrain.checkpoint.execute_resume` loads it
+   (each rank checking the CRC32 of its share of the copy's files) and calls :func:`repair`, which undoes the
+   defects of DeepSpeed 0.19.8's load of it (without it the resumed run optimises differently from the run that
+   saved; ``tests/test_resume_resize.py`` keeps a control with the repair switched off).
 
 What carries over: the weights, Adam moments and step counts, the learning-rate schedule (DeepSpeed's files); step,
 tokens and the W&B run id (``meta.json``); the data position: the loader's state counts the samples of all ranks
