@@ -261,19 +261,6 @@ def test_values_at_the_edge_of_their_range_are_accepted(override):
     assert config.as_container(OmegaConf.select(composed, key)) == yaml.safe_load(text)
 
 
-def test_hpz_modes_of_the_schema_are_the_modules_modes():
-    from zerotrain import hpz
-    from zerotrain.hpz.config import HpzMode
-
-    assert tuple(HpzMode) == hpz.MODES
-
-
-def test_grad_reduce_choices_of_the_schema_are_the_modules_modes():
-    from zerotrain.hpz import grad_reduce
-    from zerotrain.hpz.config import GradReduce
-
-    assert tuple(GradReduce) == grad_reduce.GRAD_REDUCE_MODES
-
 
 def test_an_unknown_grad_reduce_names_the_key_and_the_choices():
     with pytest.raises(ConfigError, match=r"hpz\.grad_reduce.*flat.*hierarchical"):

@@ -153,9 +153,11 @@ def test_offload_and_bf16_follow_deepspeeds_estimator():
 
 
 def test_launched_world_comes_from_the_launchers_variables():
-    assert mp.launched_world({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == mp.World(2, 8, mp.launched_world(
+    from zerotrain.launch.world import World, launched_world
+
+    assert launched_world({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == World(2, 8, launched_world(
         {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}).source)
-    assert mp.launched_world({}).gpus == 1
+    assert launched_world({}).gpus == 1
 
 
 def test_start_up_check_refuses_warns_or_passes():
@@ -163,9 +165,9 @@ def test_start_up_check_refuses_warns_or_passes():
     env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
     with pytest.raises(ConfigError, match=r"exceeds the device.*\n.*\n(.*\n)*.*train.memory_check=warn"):
         mp.check_at_start(tiny, env)
-    tiny.train.memory_check = mp.MemoryCheck.warn
+    tiny.train.memory_check = run_config.MemoryCheck.warn
     assert mp.check_at_start(tiny, env).fits is False  # warned, not refused
-    tiny.train.memory_check = mp.MemoryCheck.refuse
+    tiny.train.memory_check = run_config.MemoryCheck.refuse
     tiny.cluster.device_memory_gib = 1.0  # negative control: the same check passes when the plan fits
     assert mp.check_at_start(tiny, env).fits is True
 

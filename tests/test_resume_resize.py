@@ -86,7 +86,7 @@ def resized(reference, tmp_path_factory, shakespeare):
 
 @pytest.fixture(scope="module")
 def unrepaired(reference, tmp_path_factory, shakespeare):
-    """The same resume with zerotrain.universal_load.repair switched off."""
+    """The same resume with zerotrain.checkpoint.universal.repair switched off."""
     return _resume_on_two(reference, tmp_path_factory.mktemp("runs") / "two", shakespeare,
                           script="tests/workers/resume_unrepaired.py")
 
@@ -138,14 +138,14 @@ def saved(reference, tmp_path) -> Path:
 
 def test_resuming_with_another_global_batch_is_refused_with_the_override_that_keeps_it(saved):
     with pytest.raises(CheckpointError) as e:
-        checkpoint_convert.prepare_resume(saved, rank=0, world_size=2, micro_batch_size=4, grad_accum=1)
+        checkpoint.prepare_resume(saved, rank=0, world_size=2, micro_batch_size=4, grad_accum=1)
     assert "global batch of 16 sequences" in str(e.value) and "relaunch with train.grad_accum=2" in str(e.value)
     assert not (saved / checkpoint.UNIVERSAL).exists()
 
 
 def test_convert_on_resize_false_refuses_and_names_the_command(saved):
     with pytest.raises(CheckpointError) as e:
-        checkpoint_convert.prepare_resume(saved, rank=0, world_size=2, micro_batch_size=4, grad_accum=2,
+        checkpoint.prepare_resume(saved, rank=0, world_size=2, micro_batch_size=4, grad_accum=2,
                                           convert_on_resize=False)
     assert f"python -m zerotrain.checkpoint_convert {saved.parent}" in str(e.value)
     assert not (saved / checkpoint.UNIVERSAL).exists()
@@ -158,7 +158,7 @@ def test_a_corrupt_source_file_is_named_and_nothing_is_converted(saved):
     data[len(data) * 3 // 4] ^= 0x10
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {shard} is corrupt: its CRC32 differs")):
-        checkpoint_convert.prepare_resume(saved, rank=0, world_size=2, micro_batch_size=4, grad_accum=2)
+        checkpoint.prepare_resume(saved, rank=0, world_size=2, micro_batch_size=4, grad_accum=2)
     assert not (saved / checkpoint.UNIVERSAL).exists() or not any((saved / checkpoint.UNIVERSAL).iterdir())
 
 
@@ -173,7 +173,7 @@ def test_command_line_conversion_writes_a_checksummed_copy_once(saved, capsys):
     assert not list((saved / checkpoint.UNIVERSAL).glob(".*")), "no staging directory left behind"
     # The resume finds the copy current and does not convert again.
     stamp = (copy / "zerotrain" / "meta.json").stat().st_mtime_ns
-    assert checkpoint_convert.prepare_resume(saved, rank=0, world_size=2, micro_batch_size=4, grad_accum=2)
+    assert checkpoint.prepare_resume(saved, rank=0, world_size=2, micro_batch_size=4, grad_accum=2)
     assert (copy / "zerotrain" / "meta.json").stat().st_mtime_ns == stamp
 
     # A flipped bit in the copy is caught like one in any checkpoint, naming the remedy.
@@ -187,5 +187,5 @@ def test_command_line_conversion_writes_a_checksummed_copy_once(saved, capsys):
 
 
 def test_same_world_size_needs_no_conversion(saved):
-    assert not checkpoint_convert.prepare_resume(saved, rank=0, world_size=4, micro_batch_size=4, grad_accum=1)
+    assert not checkpoint.prepare_resume(saved, rank=0, world_size=4, micro_batch_size=4, grad_accum=1)
     assert not (saved / checkpoint.UNIVERSAL).exists()

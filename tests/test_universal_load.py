@@ -1,4 +1,4 @@
-"""The pieces of zerotrain.universal_load.repair, on real torch AdamW optimizers (the whole repair runs in
+"""The pieces of zerotrain.checkpoint.universal.repair, on real torch AdamW optimizers (the whole repair runs in
 tests/test_resume_resize.py, on a real 4 -> 2 rank resume)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerotrain import universal_load
+from zerotrain.checkpoint import universal
 
 
 def adamw(params, **kernel) -> torch.optim.AdamW:
@@ -32,7 +32,7 @@ KERNELS = [({"foreach": True}, "cpu"), ({"foreach": False}, "cpu"), ({"fused": T
 def test_step_device_is_torchs_own_choice(kernel, device):
     param = torch.nn.Parameter(torch.zeros(3, device=device))
     opt = torch.optim.AdamW([param], lr=1e-3, **kernel)
-    assert universal_load.step_device(opt.param_groups[0], param) == torchs_own_step_device(param, **kernel)
+    assert universal.step_device(opt.param_groups[0], param) == torchs_own_step_device(param, **kernel)
 
 
 def test_separated_steps_go_where_torch_wants_them_and_are_copies():
@@ -42,7 +42,7 @@ def test_separated_steps_go_where_torch_wants_them_and_are_copies():
     for p in params:
         opt.state[p] = {"step": shared}
     assert shared.device != torchs_own_step_device(params[0], capturable=True), "the defect: a clone stays on the CPU"
-    universal_load.separate_steps(opt)
+    universal.separate_steps(opt)
     steps = [opt.state[p]["step"] for p in params]
     assert all(s.device == torchs_own_step_device(p, capturable=True) for s, p in zip(steps, params))
     assert all(s.dtype == shared.dtype for s in steps)
@@ -63,14 +63,14 @@ def saved_groups(**kernel) -> list[dict]:
 
 
 @pytest.mark.parametrize("current", [{"foreach": False}, {"fused": True}], ids=str)
-@pytest.mark.parametrize("keep,kept", [(universal_load.KERNEL_FLAGS, True), ((), False)],
+@pytest.mark.parametrize("keep,kept", [(universal.KERNEL_FLAGS, True), ((), False)],
                          ids=["repair", "copying-everything"])
 def test_kernel_flags_stay_this_runs(current, keep, kept):
     saved = saved_groups(foreach=True)
     opt = adamw([torch.nn.Parameter(torch.ones(3)) for _ in range(2)], **current)
-    mine = [{k: g[k] for k in universal_load.KERNEL_FLAGS} for g in opt.param_groups]
-    universal_load.restore_groups(opt, saved, keep=keep)
+    mine = [{k: g[k] for k in universal.KERNEL_FLAGS} for g in opt.param_groups]
+    universal.restore_groups(opt, saved, keep=keep)
     assert [g["lr"] for g in opt.param_groups] == [5e-4, 5e-4]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
-    now = [{k: g[k] for k in universal_load.KERNEL_FLAGS} for g in opt.param_groups]
+    now = [{k: g[k] for k in universal.KERNEL_FLAGS} for g in opt.param_groups]
     assert (now == mine) is kept, f"kernel flags after the load: {now}, this run's: {mine}"

@@ -71,6 +71,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from zerotrain.ds_patches import PatchSet, require_supported
 from zerotrain.errors import ZerotrainError
 from zerotrain.launch.layout import NodeLayout
 
@@ -292,8 +293,7 @@ def _splits(t: Any, sizes: Optional[list[int]], g: int) -> list[int]:
 
 
 _active: Optional[_Accountant] = None
-_originals: dict[str, Callable] = {}
-_backend: Any = None
+_patches: Optional[PatchSet] = None  # the wrappers on deepspeed.comm's backend object, while installed
 
 
 def installed() -> bool:
@@ -302,7 +302,7 @@ def installed() -> bool:
 
 def install(layout: NodeLayout, rank: Optional[int] = None) -> None:
     """Start counting on this rank (after the process group exists). Idempotent for the same layout."""
-    global _active, _backend
+    global _active, _patches
     import deepspeed.comm.comm as ds_comm
     import torch.distributed as tdist
 
@@ -316,14 +316,17 @@ def install(layout: NodeLayout, rank: Optional[int] = None) -> None:
     rank = tdist.get_rank() if rank is None else rank
     if len(layout.node_index) != tdist.get_world_size():
         raise AccountingError(f"layout has {len(layout.node_index)} ranks, the world {tdist.get_world_size()}")
+    require_supported("zerotrain.comm_accounting", "deepspeed.comm backend's collective methods and their arguments",
+                      "set comm.accounting=false")
     accountant = _Accountant(layout, rank)
+    patches = PatchSet()
     for method in _METHODS:
         original = getattr(backend, method, None)
         if original is None or not callable(original):
             continue
-        _originals[method] = original
-        setattr(backend, method, _wrap(accountant, method, original))
-    _backend = backend
+        # The wrappers are instance attributes shadowing the class's methods: restoring deletes them again.
+        patches.replace(backend, method, _wrap(accountant, method, original))
+    _patches = patches
     _active = accountant
 
 
@@ -339,19 +342,11 @@ def _wrap(accountant: _Accountant, method: str, original: Callable) -> Callable:
 
 def uninstall() -> None:
     """Stop counting and restore the backend's methods. Safe to call when not installed."""
-    global _active, _backend
-    if _backend is not None:
-        for method in _originals:
-            # The wrappers are instance attributes shadowing the class's methods: deleting them restores those.
-            if method in vars(_backend):
-                delattr(_backend, method)
-    _originals.clear()
-    _backend = None
+    global _active, _patches
+    if _patches is not None:
+        _patches.restore()
+    _patches = None
     _active = None
-
-
-def empty_snapshot() -> dict[str, dict[str, float]]:
-    return {}
 
 
 def snapshot_and_reset(all_ranks: bool = False) -> dict[str, dict[str, float]]:
@@ -383,6 +378,12 @@ def snapshot_and_reset(all_ranks: bool = False) -> dict[str, dict[str, float]]:
         if values[0]:
             out[kind] = dict(zip(FIELDS, values))
     return out
+
+
+def interval_metrics(steps: int) -> dict[str, float]:
+    """The trainer's metric source: the counters since the last call, summed over ranks, as per-step averages over
+    ``steps`` (:func:`metrics_record`). Collective."""
+    return metrics_record(snapshot_and_reset(all_ranks=True), steps)
 
 
 def metrics_record(snapshot: dict[str, dict[str, float]], steps: int) -> dict[str, float]:

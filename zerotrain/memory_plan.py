@@ -81,21 +81,15 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import torch
 
 from zerotrain import models
 from zerotrain.errors import ConfigError
+from zerotrain.launch.world import World, launched_world
 
 log = logging.getLogger("zerotrain")
-
-class MemoryCheck(StrEnum):
-    refuse = "refuse"  # a plan over the device's memory stops train.py (exit code 2), before any process group
-    warn = "warn"  # logged, and the run starts
-    off = "off"  # no plan at start-up
-
 
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB  # CUDA context + NCCL/cuBLAS workspaces + fragmentation: a guess, see the module docstring
@@ -194,39 +188,9 @@ def count_parameters(model: models.ModelConfig, persistence_threshold: int = 0) 
 # --------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class World:
-    nodes: int
-    gpus_per_node: int
-    source: str
-    """Where the shape came from, for the printout."""
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
 def planned_world(cluster: Any) -> World:
     """The recipe's intended shape: ``cluster.nodes`` x ``cluster.gpus_per_node``."""
     return World(cluster.nodes, cluster.gpus_per_node, "cluster.nodes x cluster.gpus_per_node")
-
-
-def launched_world(environ: Mapping[str, str] = os.environ) -> World:
-    """The job this process belongs to, read before the process group exists: torchrun's WORLD_SIZE and
-    LOCAL_WORLD_SIZE, else an srun step's task counts, else a single process."""
-    from zerotrain.launch.slurm import in_slurm_step, parse_tasks_per_node
-
-    if environ.get("WORLD_SIZE"):
-        world = int(environ["WORLD_SIZE"])
-        per_node = int(environ.get("LOCAL_WORLD_SIZE") or world)
-        return World(max(world // per_node, 1), per_node, "WORLD_SIZE / LOCAL_WORLD_SIZE")
-    if in_slurm_step(environ) and environ.get("SLURM_NTASKS"):
-        world = int(environ["SLURM_NTASKS"])
-        spec = (environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_NTASKS_PER_NODE")
-                or environ.get("SLURM_TASKS_PER_NODE") or str(world))
-        per_node = max(parse_tasks_per_node(spec))
-        return World(max(world // per_node, 1), per_node, "SLURM_NTASKS / tasks per node")
-    return World(1, 1, "a single process")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -303,18 +267,10 @@ def hpz_size(zero: Mapping[str, Any], world: World) -> int:
 
 
 def _run_choices(cfg: Any) -> tuple[bool, str, bool]:
-    """Activation checkpointing, attention implementation and whether batches carry an attention mask.
-
-    ``train.activation_checkpointing`` and ``model.attn_implementation`` are other work of issue 10: absent, the run
-    has no checkpointing and uses transformers' default, sdpa. Batches carry a mask when they are padded (SFT, or
-    pretraining without packing); pretraining windows do not.
-    """
-    checkpointing = bool(getattr(cfg.train, "activation_checkpointing", False))
-    attn_impl = str(getattr(cfg.model, "attn_implementation", "sdpa"))
-    # Packed batches carry per-document position_ids, from which transformers builds a block mask whenever a
-    # sequence holds more than one document (nearly every window); unpacked ones carry a padding mask.
-    masked = True
-    return checkpointing, attn_impl, masked
+    """Activation checkpointing, attention implementation and whether batches carry an attention mask: always, as
+    packed batches carry per-document position_ids, from which transformers builds a block mask whenever a sequence
+    holds more than one document (nearly every window), and unpacked ones carry a padding mask."""
+    return bool(cfg.train.activation_checkpointing), str(cfg.model.attn_implementation), True
 
 
 def _attention_path(model: models.ModelConfig, attn_impl: str, masked: bool) -> str:

@@ -217,14 +217,3 @@ def count_parameters(model: ModelConfig) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
-
-
-def describe(model: ModelConfig) -> dict[str, Any]:
-    return {
-        "family": model.family,
-        "layers": model.num_layers,
-        "hidden": model.hidden_size,
-        "heads": model.num_heads,
-        "kv_heads": model.num_kv_heads or model.num_heads,
-        "vocab": model.vocab_size,
-    }

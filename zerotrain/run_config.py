@@ -18,7 +18,7 @@ key             section                                                 used by
 ``optim``       :class:`zerotrain.engine.OptimConfig`                   the optimizer
 ``schedule``    :class:`zerotrain.schedule.ScheduleConfig`              the learning-rate schedule
 ``train``       :class:`TrainConfig` (here)                             the loop, the engine's batch, validation
-``checkpoint``  :class:`zerotrain.checkpoint.CheckpointConfig`          saving and resuming
+``checkpoint``  :class:`zerotrain.checkpoint.config.CheckpointConfig`   saving and resuming
 ``wandb``       :class:`zerotrain.loggers.WandbConfig`                  the metrics logger
 ``mmlu``        :class:`zerotrain.evaluation.training_hook.MMLUConfig`  MMLU during training
 ``comm``        :class:`zerotrain.comm_accounting.CommConfig`           communication accounting
@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 
 from zerotrain import config
 from zerotrain.attention import AttnImplementation
-from zerotrain.checkpoint import CheckpointConfig
+from zerotrain.checkpoint.config import CheckpointConfig
 from zerotrain.comm_accounting import CommConfig
 from zerotrain.data.loader import DataConfig
 from zerotrain.distributed import ClusterConfig
@@ -48,7 +48,6 @@ from zerotrain.evaluation.training_hook import MMLUConfig
 from zerotrain.fields import bounded
 from zerotrain.hpz.config import HpzConfig
 from zerotrain.loggers import WandbConfig
-from zerotrain.memory_plan import MemoryCheck
 from zerotrain.models import ModelConfig, validate_model
 from zerotrain.schedule import ScheduleConfig
 
@@ -68,6 +67,12 @@ NanPolicy = StrEnum("NanPolicy", [("stop", "stop"), ("continue", "continue")])
 class LossReduction(StrEnum):
     token = "token"  # every trained token of the optimizer step weighs the same, over micro-batches and ranks
     micro_batch = "micro_batch"  # the mean over each micro-batch's tokens, then the mean of those means
+
+
+class MemoryCheck(StrEnum):
+    refuse = "refuse"  # a plan over the device's memory stops train.py (exit code 2), before any process group
+    warn = "warn"  # logged, and the run starts
+    off = "off"  # no plan at start-up
 
 
 @dataclass

@@ -33,7 +33,7 @@ MAY_CHANGE_ON_RESUME = (
 
 
 # The split of the global batch may change with the number of ranks (a resume on fewer ranks after losing a node),
-# as long as the global batch itself stays the checkpoint's: zerotrain.checkpoint_convert checks that, naming the fix.
+# as long as the global batch itself stays the checkpoint's: zerotrain.checkpoint.universal checks that, naming the fix.
 BATCH_SPLIT_KEYS = ("train.micro_batch_size", "train.grad_accum")
 
 
@@ -77,7 +77,7 @@ def _latest_meta(root: Path) -> Optional[tuple[Path, dict[str, Any]]]:
 def check_resumable(cfg: Any, tag_dir: Path, saved_yaml: str, saved_world_size: Optional[int] = None) -> None:
     """Raise :class:`ConfigError` naming every key that differs from the checkpoint's config and cannot change on
     resume. With ``saved_world_size`` the split of the global batch (:data:`BATCH_SPLIT_KEYS`) may change when the
-    global batch stays the same (:func:`zerotrain.checkpoint_convert.check_global_batch` refuses otherwise)."""
+    global batch stays the same (:func:`zerotrain.checkpoint.check_global_batch` refuses otherwise)."""
     try:
         changed = config.differences(run_config.load_text(saved_yaml, origin=str(tag_dir)), cfg)
     except ConfigError:  # saved under an older schema (a key since removed): compare the keys both configs have
@@ -85,8 +85,8 @@ def check_resumable(cfg: Any, tag_dir: Path, saved_yaml: str, saved_world_size: 
         changed = {key: (old[key], new[key]) for key in sorted(old.keys() & new.keys()) if old[key] != new[key]}
     refused = {key: values for key, values in changed.items() if not _may_change(key)}
     if saved_world_size is not None and set(refused) & set(BATCH_SPLIT_KEYS):
-        from zerotrain.checkpoint_convert import GlobalBatch, check_global_batch, saved_global_batch
-        from zerotrain.memory_plan import launched_world
+        from zerotrain.checkpoint import GlobalBatch, check_global_batch, saved_global_batch
+        from zerotrain.launch.world import launched_world
 
         saved = saved_global_batch({"config": saved_yaml, "world_size": saved_world_size})
         check_global_batch(tag_dir, saved, GlobalBatch(cfg.train.micro_batch_size, cfg.train.grad_accum,

@@ -2,8 +2,9 @@
 
 One class, read top to bottom: ``__init__`` sets everything up in the order the pieces depend on each other,
 ``fit`` runs the steps. Everything it uses lives in its own module, and each component decides when it is due
-(``CheckpointConfig.save_due``, ``Validation.due``, ``MMLUHook.due``, ``TrainConfig.log_due``/``exit_due``); this
-file only wires them together, handing each component its own section of the config.
+(``CheckpointConfig.save_due``, ``Validation.due``, ``MMLUHook.due``, ``TrainConfig.log_due``/``exit_due``) and what
+it adds to a logged line (a :data:`MetricSource`); this file only wires them together, handing each component its
+own section of the config.
 
 Code outside the loop (tests, benchmarks, profilers) observes every step through :class:`StepCallback` objects
 passed to the trainer (``Trainer(cfg, callbacks=[...])``), on every rank, right before and right after each
@@ -21,7 +22,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,6 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from zerotrain import (
     checkpoint,
-    checkpoint_convert,
     config,
     distributed,
     durable,
@@ -44,7 +44,7 @@ from zerotrain import (
 )
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
-from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, StorageError, TrainingDiverged, ZerotrainError
+from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, StorageError, TrainingDiverged, ZerotrainError
 from zerotrain.hpz.config import GradReduce
 from zerotrain.hpz.emulated_run import EmulatedRun
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
@@ -115,6 +115,11 @@ class StepCallback:
         pass
 
 
+# A component's part of each logged line: called with the steps since its previous call, it returns what it counted
+# over them under its own keys (and starts counting afresh). Collective: every rank calls it at the same steps.
+MetricSource = Callable[[int], dict[str, Any]]
+
+
 class Trainer:
     def __init__(self, cfg: Config, callbacks: Sequence[StepCallback] = ()):
         self.cfg = cfg
@@ -138,12 +143,11 @@ class Trainer:
             cfg.zero, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
             grad_clip=train.grad_clip, precision=train.precision, seed=cfg.run.seed, dp_size=self.dp_size,
             hpz_size=self.layout.hpz_size, extra=cfg.deepspeed)
-        # A checkpoint of another world size resumes from its universal copy (made here if needed, before anything
-        # is written or built), which DeepSpeed reads only when its config says so at initialize.
-        if cfg.checkpoint.resume and checkpoint_convert.prepare_resume(
-                self.ckpt_root, self.dist.rank, self.dist.world_size, train.micro_batch_size, train.grad_accum,
-                convert_on_resize=cfg.checkpoint.convert_on_resize, verify=cfg.checkpoint.verify):
-            self.ds_config["checkpoint"] = {"load_universal": True}
+        # Before anything is written or built: a checkpoint of another world size resumes from its universal copy
+        # (made here if needed), which DeepSpeed reads only when its config says so at initialize.
+        self.resume_plan = checkpoint.plan_resume(cfg.checkpoint, self.ckpt_root, self.dist.rank,
+                                                  self.dist.world_size, train.micro_batch_size, train.grad_accum)
+        self.ds_config.update(self.resume_plan.deepspeed_config)
         self._write_run_files()
         distributed.seed_everything(cfg.run.seed)
 
@@ -183,17 +187,24 @@ class Trainer:
         self.window = [StepResult(**r) for r in self.state.extra.get(LOG_WINDOW, [])]
         self._pending: list[_PendingStep] = []  # steps after the window's, not reduced over ranks yet
         self._reduced: dict[int, StepResult] = {}  # this line's steps by number, for StepView
-        self._steps_since_snapshot = 0  # the steps the communication counters have seen since their last snapshot
+        self._steps_since_snapshot = 0  # the steps the metric sources have counted since their last call
         self.logger = MetricsLogger(cfg.wandb, self.run_dir, self.dist.is_main,
                                     resume_step=self.state.step if resumed else None,
                                     wandb_run_id=self.state.wandb_run_id, run_name=cfg.run.name,
                                     run_config=config.as_container(cfg), total_steps=train.steps)
         self.state.wandb_run_id = self.logger.wandb_run_id or self.state.wandb_run_id
         self.peak_tflops = metrics.peak_tflops(train.precision, cfg.cluster.peak_tflops)
+        # What the components add to each logged line, in this order.
+        self.metric_sources: list[MetricSource] = []
+        if self.hpz_active:
+            self.metric_sources.append(hpz.interval_metrics)
+        if self.emulation is not None:
+            self.metric_sources.append(self.emulation.interval_metrics)
         if cfg.comm.accounting:  # installed last, so start-up traffic (zero.Init, resume) is not counted
             from zerotrain import comm_accounting
 
             comm_accounting.install(self.layout)
+            self.metric_sources.append(comm_accounting.interval_metrics)
 
     # ----------------------------------------------------------------------------------------------------------
     # Set-up helpers
@@ -262,15 +273,7 @@ class Trainer:
                  self.cfg.hpz.mode if self.layout.hpz_size > 1 else "off")
 
     def _maybe_resume(self) -> bool:
-        if not self.cfg.checkpoint.resume:
-            if checkpoint.latest_tag(self.ckpt_root) is not None:
-                raise CheckpointError(
-                    f"{self.ckpt_root} holds checkpoints and checkpoint.resume=false: refusing to overwrite them. "
-                    f"Choose another run.name, or resume with checkpoint.resume=true"
-                )
-            return False
-        loaded = checkpoint.load(self.engine, self.ckpt_root, self.dist.rank, self.dist.world_size,
-                                 verify=self.cfg.checkpoint.verify)
+        loaded = checkpoint.execute_resume(self.engine, self.resume_plan, self.dist.rank, self.dist.world_size)
         if loaded is None:
             return False
         self.state, rank_state = loaded
@@ -433,20 +436,10 @@ class Trainer:
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             **metrics.memory_gib(),
         }
-        if self.hpz_active:
-            from zerotrain import hpz
-
-            out.update({f"hpz/{k}": v for k, v in hpz.counters().items()})
-            hpz.reset_counters()
-        if self.emulation is not None:  # every rank reaches here: summed over ranks
-            out.update(self.emulation.interval_metrics())
-        if self.cfg.comm.accounting:  # every rank reaches here: the snapshot is summed over ranks
-            from zerotrain import comm_accounting
-
-            snapshot = comm_accounting.snapshot_and_reset(all_ranks=True)
-            # A window restored from a checkpoint holds steps whose traffic was counted by the previous launch.
-            out.update(comm_accounting.metrics_record(snapshot, max(1, self._steps_since_snapshot)))
-            self._steps_since_snapshot = 0
+        for source in self.metric_sources:  # every rank reaches here, as the collective sources need
+            # A window restored from a checkpoint holds steps the previous launch counted: not the window's length.
+            out.update(source(max(1, self._steps_since_snapshot)))
+        self._steps_since_snapshot = 0
         return out
 
     def _save(self) -> None:
@@ -459,11 +452,9 @@ class Trainer:
             log.info("checkpoint saved: %s", path)
 
     def _export(self) -> None:
-        from zerotrain.export import export_checkpoint
-
         out = self.run_dir / "hf"
         if self.dist.is_main:
-            export_checkpoint(self.ckpt_root / checkpoint.tag_for(self.state.step), out)
+            checkpoint.export_checkpoint(self.ckpt_root / checkpoint.tag_for(self.state.step), out)
             log.info("Hugging Face export written: %s", out)
         distributed.barrier()
 

@@ -6,13 +6,13 @@ Usage: torchrun ... tests/workers/resume_unrepaired.py key=value ...
 
 import sys
 
-from zerotrain import universal_load
+from zerotrain.checkpoint import universal
 from zerotrain.run_config import parse_args
 from zerotrain.trainer import Trainer
 
 
 def main() -> int:
-    universal_load.repair = lambda engine, universal: None
+    universal.repair = lambda engine, copy: None
     return Trainer(parse_args(sys.argv[1:])).fit()
 
 

@@ -66,16 +66,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def _export_training_checkpoint(path: Path) -> Path | None:
-    """A zerotrain checkpoint -> its Hugging Face export (made once, by rank 0, with zerotrain.export's atomic
+    """A zerotrain checkpoint -> its Hugging Face export (made once, by rank 0, with zerotrain.checkpoint's atomic
     export_checkpoint); None if not ours."""
     import torch.distributed as dist
 
     from zerotrain import checkpoint
     from zerotrain.errors import DataError
-    from zerotrain.export import export_checkpoint, resolve_tag_dir
 
     try:
-        tag_dir = resolve_tag_dir(path)
+        tag_dir = checkpoint.resolve_tag_dir(path)
     except checkpoint.CheckpointError:
         return None
     if not (tag_dir / checkpoint.OURS / "meta.json").is_file():
@@ -83,7 +82,7 @@ def _export_training_checkpoint(path: Path) -> Path | None:
     export = tag_dir / "hf"
     if not (export / "config.json").is_file() and (not dist.is_initialized() or dist.get_rank() == 0):
         try:
-            export_checkpoint(tag_dir, export)
+            checkpoint.export_checkpoint(tag_dir, export)
         except (checkpoint.CheckpointError, DataError) as e:
             raise NotAnHFExportError(f"cannot export checkpoint {tag_dir} to evaluate it: {e}") from None
     if dist.is_initialized():

@@ -36,7 +36,7 @@ import threading
 import warnings
 from typing import Collection, Dict
 
-from zerotrain.errors import ZerotrainError
+from zerotrain.ds_patches import SUPPORTED_DEEPSPEED, DeepSpeedVersionError, PatchSet, require_supported
 
 from . import counting as _counters
 from . import grad_reduce as _grad_reduce
@@ -50,7 +50,6 @@ __all__ = [
 ]
 
 MODES = ordering.MODES
-SUPPORTED_DEEPSPEED = ">=0.19.0,<0.20"  # pinned and tested: 0.19.8
 FIXES = ("groups", "eval_engine", "stale")
 # The coordinator's all-gather stream (a name-mangled private attribute).
 ALLGATHER_STREAM_ATTR = "_PartitionedParameterCoordinator__allgather_stream"
@@ -62,26 +61,13 @@ _verify = False
 _fixes: frozenset = frozenset()
 
 
-class HpzVersionError(ZerotrainError, RuntimeError):
+class HpzVersionError(DeepSpeedVersionError):
     """The installed DeepSpeed is outside the range this module was written against."""
 
 
 def _check_version() -> str:
-    import deepspeed
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    found = getattr(deepspeed, "__version__", "unknown")
-    try:
-        ok = Version(found) in SpecifierSet(SUPPORTED_DEEPSPEED)
-    except InvalidVersion:
-        ok = False
-    if not ok:
-        raise HpzVersionError(
-            f"zerotrain.hpz supports deepspeed{SUPPORTED_DEEPSPEED} (pinned 0.19.8) but deepspeed {found} is "
-            f"installed. Its hpZ internals (Init._partition_param_sec, the parameter coordinator's "
-            f"all-gather) may differ; install deepspeed==0.19.8 or do not call zerotrain.hpz.install().")
-    return found
+    return require_supported("zerotrain.hpz", "hpZ internals (Init._partition_param_sec, the parameter coordinator's "
+                             "all-gather)", "do not call zerotrain.hpz.install()", error=HpzVersionError)
 
 
 def install(mode: str = "ordered", verify: bool = False, *, grad_reduce: str = "flat",
@@ -165,6 +151,14 @@ def reset_counters() -> None:
     _counters.reset()
 
 
+def interval_metrics(steps: int) -> Dict[str, int]:
+    """This rank's counters since the last call, under ``hpz/<name>`` (the trainer's metric source), then reset.
+    ``steps``: the steps they cover (the counts are totals over them)."""
+    out = {f"hpz/{k}": v for k, v in counters().items()}
+    reset_counters()
+    return out
+
+
 def patched_attributes() -> list:
     """(owner, name, original) for every attribute currently replaced; original None = was absent."""
     return _patches.records() if _patches is not None else []
@@ -177,7 +171,6 @@ def _apply(fixes: frozenset):
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     from . import engine_hooks, groups
-    from .patch import PatchSet
 
     patches = PatchSet()
 

@@ -79,9 +79,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zerotrain.ds_patches import PatchSet
 from zerotrain.errors import ZerotrainError
-
-from .patch import PatchSet
 
 __all__ = [
     "DEFAULT_POISON",

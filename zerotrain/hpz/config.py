@@ -13,7 +13,7 @@ from enum import StrEnum
 
 
 class HpzMode(StrEnum):
-    """The members are :data:`zerotrain.hpz.MODES` (a test keeps the two the same)."""
+    """The ``hpz.mode`` values; :data:`zerotrain.hpz.MODES` is derived from them."""
 
     legacy = "legacy"  # DeepSpeed <= 0.13.4, the paper's baseline: racy, and 0.13's copy rule (see docs/hpz.md)
     stock = "stock"  # DeepSpeed 0.19.8 minus its host sync: racy, reproduces the failure (DeepSpeed issue #5059)
@@ -22,7 +22,7 @@ class HpzMode(StrEnum):
 
 
 class GradReduce(StrEnum):
-    """The members are :data:`zerotrain.hpz.grad_reduce.GRAD_REDUCE_MODES` (a test keeps the two the same)."""
+    """The ``hpz.grad_reduce`` values; :data:`zerotrain.hpz.grad_reduce.GRAD_REDUCE_MODES` is derived from them."""
 
     flat = "flat"  # DeepSpeed's reduce-scatter over the world
     hierarchical = "hierarchical"  # inside the hpZ group first, then across nodes over 1/hpZ of the data

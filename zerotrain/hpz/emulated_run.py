@@ -97,8 +97,9 @@ class EmulatedRun:
         report = async_emulator.report()
         return report["races"], report["freed_source_races"], sum(report["ops"].get("deferred_write", {}).values())
 
-    def interval_metrics(self) -> dict[str, int]:
-        """Since the last call, all ranks summed. Collective: every rank calls it, at the same steps."""
+    def interval_metrics(self, steps: int = 1) -> dict[str, int]:
+        """Since the last call, all ranks summed (totals over the ``steps`` since then: the trainer's metric
+        source). Collective: every rank calls it, at the same steps."""
         now = self._counts()
         interval = [a - b for a, b in zip(now, self._reported)]
         self._reported = now

@@ -16,8 +16,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from zerotrain.ds_patches import PatchSet
+
 from . import groups, stale, verify
-from .patch import PatchSet
 
 ENGINE_ATTR = "_zt_hpz_registered"
 

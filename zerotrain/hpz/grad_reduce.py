@@ -49,8 +49,9 @@ import torch
 from zerotrain.errors import ZerotrainError
 
 from . import counting
+from .config import GradReduce
 
-GRAD_REDUCE_MODES = ("flat", "hierarchical")
+GRAD_REDUCE_MODES = tuple(mode.value for mode in GradReduce)  # the hpz.grad_reduce values, as plain strings
 PLAN_ATTR = "_zt_grad_reduce_plan"
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, Optional
 import deepspeed.comm as dist
 from deepspeed.utils import groups as ds_groups
 
-from .patch import PatchSet
+from zerotrain.ds_patches import PatchSet
 
 _cache: Dict[int, Any] = {}  # hpZ size -> this rank's intra-node group
 # hpZ size -> this rank's "same local rank" group across the hpZ groups (hierarchical gradient reduction).

@@ -44,9 +44,10 @@ from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus, 
 from zerotrain.errors import ZerotrainError
 
 from . import counting
+from .config import HpzMode
 
-MODES = ("legacy", "stock", "sync", "ordered")
-RACY_MODES = ("legacy", "stock")
+MODES = tuple(mode.value for mode in HpzMode)  # the hpz.mode values, as plain strings
+RACY_MODES = (HpzMode.legacy.value, HpzMode.stock.value)
 
 _mode: str = "ordered"
 
@@ -55,9 +56,6 @@ _mode: str = "ordered"
 # invalidates it after the optimizer step, and needs no lock-protected table:
 # the writer attaches it before publishing the shard to the parameter.
 EVENT_ATTR = "_zt_hpz_copy_event"
-
-# Optional debug trace: fn(kind, ds_id, stream). None (the default) costs one comparison per shard.
-_trace: Optional[Callable[[str, int, Any], None]] = None
 
 
 class HpzOrderingError(ZerotrainError, RuntimeError):
@@ -73,11 +71,6 @@ def set_mode(mode: str) -> None:
 
 def get_mode() -> str:
     return _mode
-
-
-def set_trace(fn: Optional[Callable[[str, int, Any], None]]) -> None:
-    global _trace
-    _trace = fn
 
 
 def needs_ordering(accel: Any) -> bool:
@@ -133,8 +126,6 @@ def build_secondary_shard(init: Any, param: torch.nn.Parameter, has_been_updated
         shard.zero_()  # padding must be deterministic (coalesced gathers/quantisers see it)
         if valid > 0:
             shard.narrow(0, 0, valid).copy_(param.contiguous().view(-1).narrow(0, start, valid))
-    if _trace is not None:
-        _trace("copy", param.ds_id, get_accelerator().current_stream())
 
     _order_after_copy(shard, param)
     counting.bump("shards_built" if fresh else "shards_refreshed")
@@ -193,8 +184,6 @@ def _build_legacy(init: Any, param: torch.nn.Parameter) -> None:
             copied = (numel - start) * param.ds_secondary_tensor_num_of_groups
         if copied > 0:
             shard.narrow(0, 0, copied).copy_(flat.narrow(0, sec_start, copied))
-    if _trace is not None:
-        _trace("copy", param.ds_id, get_accelerator().current_stream())
 
     setattr(shard, EVENT_ATTR, None)
     valid = max(0, min(numel - sec_start, shard_numel))

@@ -30,6 +30,7 @@ from zerotrain.launch.layout import (
 from zerotrain.launch.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, install_early_handlers
 from zerotrain.launch.rendezvous import RendezvousError, check_rendezvous
 from zerotrain.launch.slurm import LaunchInfo, SlurmEnvError, apply_slurm_env, master_port, parse_tasks_per_node
+from zerotrain.launch.world import World, launched_world
 
 __all__ = [
     "REQUEUE_EXIT_CODE",
@@ -39,11 +40,13 @@ __all__ = [
     "PreemptionHandler",
     "RendezvousError",
     "SlurmEnvError",
+    "World",
     "apply_slurm_env",
     "check_rendezvous",
     "gather_layout",
     "hpz_groups",
     "install_early_handlers",
+    "launched_world",
     "layout_from_node_names",
     "master_port",
     "parse_tasks_per_node",

@@ -1,39 +1,21 @@
-"""Checkpoints: DeepSpeed's sharded checkpoint plus our metadata, a ``latest`` pointer, resume, keep-last-K.
+"""One checkpoint of one world: DeepSpeed's sharded files plus ours, saved so that a kill loses nothing, and checked
+file by file before anything reads them.
 
-Layout of ``<run dir>/checkpoints``::
-
-    latest                       the tag of the newest *complete* checkpoint (same file name DeepSpeed uses, so
-                                 DeepSpeed's own tools, e.g. zero_to_fp32.py, understand the directory)
-    step_00000100/               DeepSpeed's files (model + ZeRO partitions of every rank)
-        zerotrain/rank_00003.pt  per-rank state: RNG states, data-loader position
-        zerotrain/meta.json      step, tokens, W&B run id, world size, resolved config, and the size and CRC32 of
-                                 every file
-
-Nothing is ever written into a directory that ``latest`` points to, so a kill at any moment of a save loses nothing:
+Nothing is ever written into a directory that ``latest`` points to (:mod:`zerotrain.checkpoint.layout`), so a kill
+at any moment of a save loses nothing:
 
 1. every rank writes its files into ``.step_00000100.partial/`` (DeepSpeed's files and ours), each file checksummed
    as it is written and fsync-ed;
 2. all ranks agree that every rank succeeded (a failure anywhere, a full disk say, removes the partial directory
    and raises :class:`CheckpointError` on every rank; ``latest`` stays where it was);
 3. rank 0 writes ``meta.json``, renames the directory to ``step_00000100``, and only then moves ``latest`` (written
-   to a temporary name, fsync-ed and renamed); older checkpoints are pruned last, never the one ``latest`` names.
+   to a temporary name, fsync-ed and renamed); the universal copies (they served the one resume that needed them)
+   and older checkpoints are pruned last, never the one ``latest`` names.
 
-A partial directory left by a kill is removed by the next save. On load, the file list in ``meta.json`` is checked
-first (presence, size, and the CRC32 of the files this rank reads), so a truncated, missing or bit-flipped file is
-reported by name instead of deep inside DeepSpeed or, worse, not at all.
-
-Resuming on a different number of ranks goes through DeepSpeed's *universal* checkpoint, a copy with one file per
-parameter and state that any world size can read (:mod:`zerotrain.checkpoint_convert` makes it and decides, before
-the engine is built, whether it is needed)::
-
-    universal/step_00000100/     the universal copy of step_00000100 (never inside a directory ``latest`` names;
-        zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt, ...   written to universal/.step_00000100.partial and renamed)
-        zerotrain/meta.json      step_00000100's metadata, with the CRC32 of every file of the copy
-        zerotrain/rank_state.pt  the RNG and data-loader state every rank of the new world takes
-
-The next checkpoint saved removes ``universal/``: it served the one resume that needed it.
-
-The ``checkpoint`` section of the run config (:class:`CheckpointConfig`) is declared here.
+A partial directory left by a kill is removed by the next save. Before a load, the file list in ``meta.json`` is
+checked (presence, size, and the CRC32 of the files this rank reads, :func:`read_meta`), so a truncated, missing or
+bit-flipped file is reported by name instead of deep inside DeepSpeed or, worse, not at all. A universal copy's
+``meta.json`` has the same form and is checked the same way.
 """
 
 from __future__ import annotations
@@ -45,59 +27,27 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from zerotrain import durable, universal_load
+from zerotrain import durable
+from zerotrain.checkpoint.layout import (
+    LATEST,
+    META,
+    OURS,
+    PARTIAL,
+    UNIVERSAL,
+    complete_tags,
+    latest_tag,
+    rank_file,
+    tag_for,
+)
 from zerotrain.distributed import all_agree, barrier, gather_objects, min_over_ranks
 from zerotrain.errors import CheckpointError
-from zerotrain.fields import bounded
 
 log = logging.getLogger("zerotrain")
-
-LATEST = "latest"
-OURS = "zerotrain"
-PARTIAL = ".partial"  # suffix of a checkpoint directory being written
-UNIVERSAL = "universal"  # <root>/universal/<tag>: the universal copy of <root>/<tag> (see the module docstring)
-RANK_STATE = "rank_state.pt"  # in a universal copy: the one per-rank state (RNG, loader) every new rank takes
-
-
-class LowSpacePolicy(StrEnum):
-    warn = "warn"
-    skip = "skip"
-
-
-@dataclass
-class CheckpointConfig:
-    """The ``checkpoint`` section: when to save, how many to keep, whether to resume and to export."""
-
-    interval: int = bounded(0, ge=0)
-    """Steps between checkpoints; 0: only at the end (save_final)."""
-    keep_last: int = bounded(3, ge=1)
-    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
-    resume: bool = True
-    """Resume automatically from <run dir>/checkpoints/latest; false refuses to start over existing checkpoints."""
-    save_final: bool = True
-    """Save a checkpoint after the last step."""
-    export_hf: bool = False
-    """Also write a Hugging Face directory (<run dir>/hf) after the last step (needs save_final)."""
-    low_space: LowSpacePolicy = LowSpacePolicy.warn
-    """Before each save, free space is compared with the last checkpoint's size: warn (and try; a save that runs out
-    of space removes itself and latest stays put) | skip (skip this save, with a message)."""
-    verify: bool = True
-    """On resume, check the CRC32 recorded for each file as it was written (each rank reads back the files it
-    loads: about 2 GB/s); false skips the check."""
-    convert_on_resize: bool = True
-    """On resume with a different number of ranks, convert the latest checkpoint once to DeepSpeed's universal
-    format (rank 0, before the model is built) and resume from that; false refuses, naming the command that converts
-    it beforehand (python -m zerotrain.checkpoint_convert <run dir>). The global batch must stay the same."""
-
-    def save_due(self, step: int, last_step: int) -> bool:
-        """Whether step ``step`` ends with a periodic checkpoint (the last step's is save_final's)."""
-        return bool(self.interval) and step % self.interval == 0 and step != last_step
 
 
 @dataclass
@@ -108,15 +58,6 @@ class TrainState:
     tokens: int = 0
     wandb_run_id: Optional[str] = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def tag_for(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def universal_dir(root: Path, tag: str) -> Path:
-    """Where the universal copy of checkpoint ``<root>/<tag>`` lives."""
-    return root / UNIVERSAL / tag
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -283,10 +224,10 @@ def save(engine, root: Path, state: TrainState, rank_state: dict[str, Any], conf
             barrier()
     if error is None:
         try:
-            rank_file = partial / OURS / f"rank_{rank:05d}.pt"
-            with durable.checksummed_file(rank_file) as f:
+            own = rank_file(partial, rank)
+            with durable.checksummed_file(own) as f:
                 torch.save(rank_state, f)
-            written[str(rank_file.relative_to(partial))] = [f.size, f.crc32]
+            written[str(own.relative_to(partial))] = [f.size, f.crc32]
         except OSError as e:
             error = e
     if not all_agree(error is None):
@@ -320,7 +261,7 @@ def _publish(root: Path, tag: str, partial: Path, state: TrainState, world_size:
         "config": config_yaml,
         "files": {name: {"bytes": size, "crc32": crc} for name, (size, crc) in sorted(files.items())},
     }
-    durable.atomic_write_text(partial / OURS / "meta.json", json.dumps(meta, indent=1))
+    durable.atomic_write_text(partial / OURS / META, json.dumps(meta, indent=1))
     durable.fsync_path(partial / OURS)
     durable.fsync_path(partial)
     durable.replace_dir(partial, root / tag)
@@ -338,10 +279,6 @@ def _latest_or_none(root: Path) -> Optional[str]:
         return None
 
 
-def _complete_tags(root: Path) -> list[str]:
-    return sorted(p.parent.parent.name for p in root.glob(f"step_*/{OURS}/meta.json"))
-
-
 def _is_complete(tag_dir: Path) -> bool:
     try:
         read_meta(tag_dir, verify_rank=None)
@@ -351,26 +288,15 @@ def _is_complete(tag_dir: Path) -> bool:
 
 
 def _prune(root: Path, keep_last: int, protect: str) -> None:
-    tags = _complete_tags(root)
+    tags = complete_tags(root)
     for tag in tags[: max(0, len(tags) - keep_last)]:
         if tag != protect:
             shutil.rmtree(root / tag, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Loading
+# Reading
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def latest_tag(root: Path) -> Optional[str]:
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text().strip()
-    if not tag:
-        raise CheckpointError(f"{pointer} is empty; delete it to start fresh or write a tag from "
-                              f"{_complete_tags(root)}")
-    return tag
 
 
 def _entry(value: Any) -> tuple[int, Optional[int]]:
@@ -381,7 +307,7 @@ def _entry(value: Any) -> tuple[int, Optional[int]]:
 
 
 def _others(tag_dir: Path) -> str:
-    others = [t for t in _complete_tags(tag_dir.parent) if t != tag_dir.name]
+    others = [t for t in complete_tags(tag_dir.parent) if t != tag_dir.name]
     return f"Other complete checkpoints: {', '.join(others)}" if others else "There is no other complete checkpoint"
 
 
@@ -393,11 +319,11 @@ def read_meta(tag_dir: Path, verify_rank: Optional[int] = None, world_size: Opti
         raise CheckpointError(
             f"{tag_dir.parent / LATEST} names {tag_dir.name}, but {tag_dir} does not exist (deleted or moved?). "
             f"{_others(tag_dir)}: point {tag_dir.parent / LATEST} at one of them, or delete it to start fresh")
-    meta_path = tag_dir / OURS / "meta.json"
+    meta_path = tag_dir / OURS / META
     if not meta_path.is_file():
         raise CheckpointError(
             f"checkpoint {tag_dir} is incomplete (no {meta_path.name}): it was interrupted while saving. "
-            f"Point {tag_dir.parent / LATEST} at a complete one: {_complete_tags(tag_dir.parent) or 'none'}"
+            f"Point {tag_dir.parent / LATEST} at a complete one: {complete_tags(tag_dir.parent) or 'none'}"
         )
     try:
         meta = json.loads(meta_path.read_text())
@@ -437,43 +363,3 @@ def read_meta_on_all_ranks(tag_dir: Path, rank: int, world_size: int, verify: bo
     if not all_agree(error is None):
         raise error or CheckpointError(f"checkpoint {tag_dir} failed verification on another rank (see its message)")
     return meta
-
-
-def load(engine, root: Path, rank: int, world_size: int, verify: bool = True
-         ) -> Optional[tuple[TrainState, dict[str, Any]]]:
-    """Collective: resume from ``latest`` if there is one. Returns (state, this rank's state) or None.
-
-    A checkpoint of another world size is read from its universal copy, which
-    :func:`zerotrain.checkpoint_convert.prepare_resume` made before the engine was built (and told DeepSpeed to
-    expect)."""
-    tag = latest_tag(root)
-    if tag is None:
-        return None
-    tag_dir = root / tag
-    if engine.load_universal_checkpoint():
-        meta = read_meta_on_all_ranks(universal_dir(root, tag), rank, world_size, verify)
-        load_dir, rank_file = root / UNIVERSAL, universal_dir(root, tag) / OURS / RANK_STATE
-    else:
-        meta = read_meta_on_all_ranks(tag_dir, rank, world_size, verify)
-        if meta["world_size"] != world_size:
-            raise CheckpointError(
-                f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has {world_size}, and "
-                f"the engine was not built to read a universal checkpoint (zerotrain.checkpoint_convert."
-                f"prepare_resume decides that before deepspeed.initialize)")
-        load_dir, rank_file = root, tag_dir / OURS / f"rank_{rank:05d}.pt"
-    try:
-        path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
-    except Exception as e:  # DeepSpeed raises many types for unreadable files; name the checkpoint instead
-        raise CheckpointError(f"could not load DeepSpeed checkpoint {load_dir / tag}: {type(e).__name__}: {e}") from e
-    if path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint in {load_dir / tag}")
-    if engine.load_universal_checkpoint():
-        universal_load.repair(engine, universal_dir(root, tag))
-    try:
-        rank_state = torch.load(rank_file, weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint file {rank_file} is unreadable: {e}") from e
-    state = TrainState(step=meta["step"], tokens=meta["tokens"], wandb_run_id=meta.get("wandb_run_id"),
-                       extra=meta.get("extra", {}))
-    return state, rank_state

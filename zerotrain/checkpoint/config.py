@@ -1,0 +1,43 @@
+"""The ``checkpoint`` section of the run config: when to save, how many to keep, how to resume, whether to export."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from zerotrain.fields import bounded
+
+
+class LowSpacePolicy(StrEnum):
+    warn = "warn"
+    skip = "skip"
+
+
+@dataclass
+class CheckpointConfig:
+    """The ``checkpoint`` section: when to save, how many to keep, whether to resume and to export."""
+
+    interval: int = bounded(0, ge=0)
+    """Steps between checkpoints; 0: only at the end (save_final)."""
+    keep_last: int = bounded(3, ge=1)
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    resume: bool = True
+    """Resume automatically from <run dir>/checkpoints/latest; false refuses to start over existing checkpoints."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+    export_hf: bool = False
+    """Also write a Hugging Face directory (<run dir>/hf) after the last step (needs save_final)."""
+    low_space: LowSpacePolicy = LowSpacePolicy.warn
+    """Before each save, free space is compared with the last checkpoint's size: warn (and try; a save that runs out
+    of space removes itself and latest stays put) | skip (skip this save, with a message)."""
+    verify: bool = True
+    """On resume, check the CRC32 recorded for each file as it was written (each rank reads back the files it
+    loads: about 2 GB/s); false skips the check."""
+    convert_on_resize: bool = True
+    """On resume with a different number of ranks, convert the latest checkpoint once to DeepSpeed's universal
+    format (rank 0, before the model is built) and resume from that; false refuses, naming the command that converts
+    it beforehand (python -m zerotrain.checkpoint_convert <run dir>). The global batch must stay the same."""
+
+    def save_due(self, step: int, last_step: int) -> bool:
+        """Whether step ``step`` ends with a periodic checkpoint (the last step's is save_final's)."""
+        return bool(self.interval) and step % self.interval == 0 and step != last_step

@@ -1,0 +1,107 @@
+"""Changes made at run time to pinned DeepSpeed: the version range they are written against, and their exact undo.
+
+We never edit DeepSpeed's files; we replace a handful of attributes on its classes, modules and objects, or repair
+what one of its functions left behind. Each of those depends on DeepSpeed internals that change between releases,
+so each user checks :func:`require_supported` first and installs through a :class:`PatchSet`:
+
+* :mod:`zerotrain.hpz` (the hpZ shard ordering, groups, stale-shard hooks, hierarchical gradient reduce);
+* :mod:`zerotrain.comm_accounting` (counting wrappers over ``deepspeed.comm``'s backend methods);
+* :func:`zerotrain.checkpoint.universal.repair` (what DeepSpeed's ZeRO-3 load of a universal checkpoint gets wrong).
+
+:class:`PatchSet` remembers the exact original object of every attribute it replaces (looked up in the owner's own
+``__dict__``, so an inherited attribute is recorded as "absent" rather than copied down) and puts it back on
+:meth:`PatchSet.restore`, so uninstalling leaves DeepSpeed exactly as it was: ``getattr(owner, name) is original``
+for every patched attribute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List
+
+from zerotrain.errors import ZerotrainError
+
+SUPPORTED_DEEPSPEED = ">=0.19.0,<0.20"
+PINNED_DEEPSPEED = "0.19.8"  # requirements.txt's pin, the version the patches are tested on
+
+_ABSENT = object()  # marker: the owner did not define the attribute itself
+
+
+class DeepSpeedVersionError(ZerotrainError, RuntimeError):
+    """The installed DeepSpeed is outside the range a patch was written against."""
+
+
+def require_supported(component: str, internals: str, alternative: str,
+                      error: type[DeepSpeedVersionError] = DeepSpeedVersionError) -> str:
+    """The installed DeepSpeed's version, when it is in :data:`SUPPORTED_DEEPSPEED`; otherwise ``error``, naming
+    ``component``, the ``internals`` it depends on and the ``alternative`` to installing the pinned version."""
+    import deepspeed
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    found = getattr(deepspeed, "__version__", "unknown")
+    try:
+        ok = Version(found) in SpecifierSet(SUPPORTED_DEEPSPEED)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise error(
+            f"{component} supports deepspeed{SUPPORTED_DEEPSPEED} (pinned {PINNED_DEEPSPEED}) but deepspeed {found} "
+            f"is installed. Its {internals} may differ; install deepspeed=={PINNED_DEEPSPEED} or {alternative}.")
+    return found
+
+
+@dataclass
+class _Record:
+    owner: Any
+    name: str
+    original: Any  # the raw __dict__ entry (keeps staticmethod/classmethod wrappers) or _ABSENT
+
+
+class PatchSet:
+    """An ordered list of attribute replacements that can be undone exactly."""
+
+    def __init__(self) -> None:
+        self._records: List[_Record] = []
+        # Arbitrary undo callbacks (e.g. removing hooks registered on live modules).
+        self._undo: List[Callable[[], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def original(self, owner: Any, name: str) -> Any:
+        """The attribute as DeepSpeed defined it (bound lookups still work through the class)."""
+        for rec in self._records:
+            if rec.owner is owner and rec.name == name:
+                return getattr(owner, name) if rec.original is _ABSENT else rec.original
+        return getattr(owner, name)
+
+    def replace(self, owner: Any, name: str, new: Any) -> Any:
+        """Set ``owner.name = new`` and return the previous attribute value (for wrapping)."""
+        if any(rec.owner is owner and rec.name == name for rec in self._records):
+            raise RuntimeError(f"{owner!r}.{name} patched twice in one PatchSet")
+        raw = vars(owner).get(name, _ABSENT)
+        previous = getattr(owner, name, None)
+        self._records.append(_Record(owner, name, raw))
+        setattr(owner, name, new)
+        return previous
+
+    def on_restore(self, fn: Callable[[], None]) -> None:
+        self._undo.append(fn)
+
+    def records(self) -> List[tuple]:
+        """(owner, name, original) for every patch; ``original`` is None when the owner lacked it."""
+        return [(r.owner, r.name, None if r.original is _ABSENT else r.original) for r in self._records]
+
+    def restore(self) -> None:
+        """Undo everything, newest first."""
+        for fn in reversed(self._undo):
+            fn()
+        self._undo.clear()
+        for rec in reversed(self._records):
+            if rec.original is _ABSENT:
+                if rec.name in vars(rec.owner):
+                    delattr(rec.owner, rec.name)
+            else:
+                setattr(rec.owner, rec.name, rec.original)
+        self._records.clear()
