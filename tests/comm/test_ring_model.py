@@ -152,3 +152,23 @@ def test_metrics_record_reports_per_node_ring_bytes_beside_the_logical_count():
     assert rec["comm/reduce_scatter/ring_inter_node_bytes_per_node"] == 3.0
     assert "comm/ring_inter_node_bytes_per_node" not in comm_accounting.metrics_record(snap, steps=1)
     assert not math.isnan(rec["comm/inter_node_bytes"])
+
+
+def test_untested_deepspeed_is_refused_naming_both_versions(monkeypatch):
+    import deepspeed
+
+    from zerotrain.hpz import grad_reduce
+
+    grad_reduce.check_version()  # the pinned one: accepted (the control)
+    monkeypatch.setattr(deepspeed, "__version__", "0.19.9")
+    with pytest.raises(grad_reduce.GradReduceConfigError, match=r"tested with deepspeed 0\.19\.8; deepspeed 0\.19\.9"):
+        grad_reduce.check_version()
+
+
+def test_a_renamed_deepspeed_argument_names_the_version_not_a_key_error():
+    from zerotrain.hpz import grad_reduce
+
+    arguments = grad_reduce._Arguments({"zero_hpz_partition_size": 2})
+    assert arguments["zero_hpz_partition_size"] == 2
+    with pytest.raises(grad_reduce.GradReduceConfigError, match=r"'reduce_scatter', which deepspeed \S+ does not"):
+        arguments["reduce_scatter"]
