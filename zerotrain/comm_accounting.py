@@ -18,7 +18,8 @@ ZeRO-3 (+ hpZ) calls:
   ``all_gather_into_tensor``, one call per coalesced bucket, or per parameter (``_all_gather_sequential``);
 * gradient reduce-scatter (``reduce_scatter_coalesced``): ``dist.reduce_scatter_fn`` -> ``reduce_scatter_tensor``,
   over the world (hpZ does not change it); with ``hpz.grad_reduce=hierarchical`` instead a ``reduce_scatter_tensor``
-  over the hpZ group and an ``all_to_all_single`` over the ranks with the same hpZ-local rank
+  over the hpZ group, then over the ranks with the same hpZ-local rank another ``reduce_scatter_tensor`` (a ring:
+  NCCL, ``cluster.collectives=ring``) or an ``all_to_all_single`` (gloo's native collectives)
   (:mod:`zerotrain.hpz.grad_reduce`);
 * ``all_reduce`` (gradient norm, overflow checks), ``broadcast`` (``zero.Init`` initial parameters), ``barrier``;
 * with qgZ (``zero_quantized_gradients``): ``all_to_all_single``; other paths ``all_gather``, ``reduce_scatter``.
