@@ -280,3 +280,11 @@ def test_hierarchical_first_step_passes_with_a_ring_stage_2_and_fails_when_deeps
         assert "reduce_scatter" in ok["kinds"] and "all_to_all" not in ok["kinds"], ok  # stage 2: a ring
         assert not bypassed["stepped"] and bypassed["type"] == "GradReduceBypassedError", (rank, bypassed)
         assert "flat path" in bypassed["message"] and "deepspeed 0.19.8" in bypassed["message"], bypassed
+
+
+def test_auto_resolves_by_the_ring_model_at_start_up(results):
+    """2 nodes x 2 with hpZ 2: hierarchical (the model: 0.5 vs 0.75 of the gradient bytes per node); plain ZeRO-3:
+    flat, and no refusal (the control: explicit hierarchical without hpZ is refused, above)."""
+    for rank, r in enumerate(section(results, "ring")["per_rank"]):
+        assert r["auto-hpz"] == {"grad_reduce": "hierarchical", "collectives": "ring", "plan": True}, rank
+        assert r["auto-zero3"] == {"grad_reduce": "flat", "collectives": "ring", "plan": False}, rank

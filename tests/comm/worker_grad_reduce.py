@@ -449,6 +449,22 @@ def ring(runs: Path, data: str) -> dict:
     out["first_step"] = first_step(bypass=False)
     out["first_step_bypassed"] = first_step(bypass=True)
     ring_collectives.uninstall()
+
+    # hpz.grad_reduce=auto through the trainer's start-up (2x2, hpZ 2: the model says hierarchical saves 1.5x), and
+    # without hpZ (plain ZeRO-3: flat, no refusal). Built only: the first-step check is covered above.
+    from zerotrain.trainer import Trainer
+
+    for name, zero in (("auto-hpz", "zero3_hpz_cpu"), ("auto-zero3", "zero3_cpu")):
+        hpz.uninstall()
+        trainer = Trainer(parse_args([*COMMON, f"zero={zero}", "hpz.grad_reduce=auto", "cluster.collectives=ring",
+                                      f"data.train.0.path={data}", f"run.output_dir={runs}", f"run.name={name}",
+                                      "train.steps=1", "checkpoint.resume=false"]))
+        out[name] = {"grad_reduce": trainer.grad_reduce, "collectives": trainer.collectives,
+                     "plan": getattr(trainer.engine.optimizer, grad_reduce.PLAN_ATTR, None) is not None}
+        trainer.engine.destroy()
+        hpz.uninstall()
+        ring_collectives.uninstall()
+        tdist.barrier()
     return {"per_rank": gather(out)}
 
 
