@@ -4,21 +4,28 @@ emulated 2-node cluster.
 
     sudo .venv/bin/python benchmarks/slow_link.py                       # ~13 min on 2 cores
     sudo .venv/bin/python benchmarks/slow_link.py --rates 50mbit,unshaped --steps 6 --out-dir runs/slow_link
+    sudo .venv/bin/python benchmarks/slow_link.py --rates 20mbit --collectives ring,native   # + gloo's own
 
 One launch of 2 emulated nodes x 2 processes (``tools.emulate``: a network namespace per node, ``tc``-shaped
 veth links, intra-node traffic over each namespace's loopback) runs every (bandwidth, variant) pair one after
 the other in the same processes, with the real trainer (``zerotrain.trainer.Trainer``) on a small Llama
 (hidden 256, 4 layers, 4.0M parameters: 16 MB of fp32 weights, so each step moves tens of MB between nodes) and
-``zerotrain.comm_accounting`` installed. Between bandwidths the worker asks the parent to reshape the links (files
+``zerotrain.comm_accounting`` installed. The baseline is what NCCL users have: ``--collectives ring`` (default) runs
+every reduce-scatter and all-gather as a ring over point-to-point (``cluster.collectives=ring``,
+``zerotrain.ring_collectives``), so each variant moves the bytes NCCL's ring algorithms would; ``native`` adds gloo's
+own collectives (its reduce-scatter is an all-reduce: about twice the gradient bytes) as separate, labelled rows.
+Between bandwidths the worker asks the parent to reshape the links (files
 in the output directory) and waits. The first ``--warmup`` steps of each run are left out of the measurements
 (DeepSpeed's trace validation, and hpZ's first forward that still reads the secondary shards zero.Init made).
 
 Printed (and written to ``<out-dir>/slow_link.md``, ``.json``, ``.png``): a side-by-side table (per bandwidth, every
 variant's step time and speed-up, beside the ratio of wire bytes), then per bandwidth and variant:
-step time, tokens/s, the speed-up over plain ZeRO-3 at that bandwidth, the inter-node bytes per step by the
-accounting's logical model (received from other nodes, all ranks; see ``zerotrain/comm_accounting.py``), and the
-bytes that really left the nodes' interfaces per step (``/proc/net/dev`` of each namespace's eth0: gloo's ring
-algorithms plus TCP/IP headers). Every run's ``metrics.jsonl`` is in ``<out-dir>/runs/<rate>-<variant>/``, for
+step time, tokens/s, the speed-up over plain ZeRO-3 at that bandwidth (same collectives), the bytes that really
+left each node's interface per step (``/proc/net/dev`` of each namespace's eth0, averaged over the nodes: the
+collectives' payload plus TCP/IP headers) beside the ring model's inter-node bytes per node for the same calls
+(``comm/ring_inter_node_bytes_per_node`` of ``zerotrain/comm_accounting.py``, closed form in
+``zerotrain/comm_model.py``) and their ratio, and the accounting's logical inter-node bytes (received from other
+nodes, all ranks). Every run's ``metrics.jsonl`` is in ``<out-dir>/runs/<rate>-<variant>/``, for
 ``python -m tools.compare``.
 """
 
@@ -110,45 +117,50 @@ def worker(args) -> int:
     results = []
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    for rate in args.rates.split(","):
-        for variant in args.variants.split(","):
-            label = f"{rate_label(rate)}-{variant}"
-            if rank == 0:  # ask the parent for this bandwidth, wait until the links are shaped
-                (ctl / f"want-{label}").write_text(rate)
-                _wait_for(ctl / f"shaped-{label}")
-            overrides = ["recipe=tiny_llama", f"data.train.0.path={args.data}", f"run.output_dir={out / 'runs'}",
-                         f"run.name={label}", f"train.steps={args.steps}", *MODEL, *TRAIN, *VARIANTS[variant]]
-            measure = MeasureSteadyState()
-            # Barriers inside: nobody starts before rank 0 is released.
-            trainer = Trainer(parse_args(overrides), callbacks=[measure])
-            comm_accounting.install(trainer.layout)
-            try:
-                rc = trainer.fit()
-            finally:
-                comm_accounting.uninstall()
-            measured = args.steps - args.warmup
-            (t0, tx0), (t1, tx1) = measure.marks
-            snaps = measure.snaps
-            # Wire bytes: each node's eth0 tx, counted once per node (local rank 0), summed over the nodes.
-            wire = torch.tensor([float(tx1 - tx0) if local_rank == 0 else 0.0], dtype=torch.float64)
-            dist.all_reduce(wire)
-            record = comm_accounting.metrics_record(snaps[0], measured)
-            results.append({
-                "rate": rate_label(rate), "variant": variant, "rc": rc, "steps": measured,
-                "step_time_s": (t1 - t0) / measured,
-                "tokens_per_s": trainer.tokens_per_step * measured / (t1 - t0),
-                "inter_node_bytes": record["comm/inter_node_bytes"],
-                "intra_node_bytes": record["comm/intra_node_bytes"],
-                "wire_bytes": wire.item() / measured,
-                "comm": record,
-            })
-            trainer.engine.destroy()
-            del trainer
-            dist.barrier()
-            if rank == 0:
-                print(f"[slow_link] done {label}: {results[-1]['step_time_s']:.3f} s/step, "
-                      f"{results[-1]['inter_node_bytes'] / 1e6:.2f} MB inter-node/step (logical), "
-                      f"{results[-1]['wire_bytes'] / 1e6:.2f} MB on the wire/step", flush=True)
+    for rate, collectives, variant in ((r, c, v) for r in args.rates.split(",") for c in args.collectives.split(",")
+                                       for v in args.variants.split(",")):
+        label = f"{rate_label(rate)}-{variant}" + ("" if collectives == "ring" else f"-{collectives}")
+        if rank == 0:  # ask the parent for this bandwidth, wait until the links are shaped
+            (ctl / f"want-{label}").write_text(rate)
+            _wait_for(ctl / f"shaped-{label}")
+        overrides = ["recipe=tiny_llama", f"data.train.0.path={args.data}", f"run.output_dir={out / 'runs'}",
+                     f"run.name={label}", f"train.steps={args.steps}", *MODEL, *TRAIN, *VARIANTS[variant],
+                     f"cluster.collectives={collectives}"]
+        measure = MeasureSteadyState()
+        # Barriers inside: nobody starts before rank 0 is released.
+        trainer = Trainer(parse_args(overrides), callbacks=[measure])
+        comm_accounting.install(trainer.layout)
+        try:
+            rc = trainer.fit()
+        finally:
+            comm_accounting.uninstall()
+        measured = args.steps - args.warmup
+        (t0, tx0), (t1, tx1) = measure.marks
+        snaps = measure.snaps
+        # Wire bytes: each node's eth0 tx, counted once per node (local rank 0), averaged over the nodes.
+        wire = torch.tensor([float(tx1 - tx0) if local_rank == 0 else 0.0], dtype=torch.float64)
+        dist.all_reduce(wire)
+        nodes = trainer.layout.num_nodes
+        record = comm_accounting.metrics_record(snaps[0], measured, nodes=nodes)
+        results.append({
+            "rate": rate_label(rate), "variant": variant, "collectives": collectives, "rc": rc,
+            "steps": measured,
+            "step_time_s": (t1 - t0) / measured,
+            "tokens_per_s": trainer.tokens_per_step * measured / (t1 - t0),
+            "inter_node_bytes": record["comm/inter_node_bytes"],
+            "intra_node_bytes": record["comm/intra_node_bytes"],
+            "wire_bytes": wire.item() / measured / nodes,  # per node
+            "ring_model_bytes": record["comm/ring_inter_node_bytes_per_node"],
+            "comm": record,
+        })
+        trainer.engine.destroy()
+        del trainer
+        dist.barrier()
+        if rank == 0:
+            print(f"[slow_link] done {label}: {results[-1]['step_time_s']:.3f} s/step, "
+                  f"{results[-1]['inter_node_bytes'] / 1e6:.2f} MB inter-node/step (logical), "
+                  f"{results[-1]['wire_bytes'] / 1e6:.2f} MB on the wire/step per node (ring model "
+                  f"{results[-1]['ring_model_bytes'] / 1e6:.2f})", flush=True)
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
@@ -159,41 +171,58 @@ def worker(args) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 
 
+COLLECTIVES = {"ring": "ring (NCCL's bytes)", "native": "gloo native"}
+
+
+def _baselines(results: list[dict]) -> dict:
+    return {(r["rate"], r.get("collectives", "ring")): r for r in results if r["variant"] == "zero3"}
+
+
 def table(results: list[dict]) -> str:
-    base = {r["rate"]: r["step_time_s"] for r in results if r["variant"] == "zero3"}
-    lines = ["| inter-node link | variant | step time (s) | tokens/s | speed-up vs ZeRO-3 | inter-node MB/step "
-             "(logical) | intra-node MB/step (logical) | MB/step on the wire |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    base = _baselines(results)
+    lines = ["| inter-node link | variant | collectives | step time (s) | tokens/s | speed-up vs ZeRO-3 | "
+             "wire MB/step per node | ring model MB/step per node | wire / model | inter-node MB/step "
+             "(logical, all ranks) | intra-node MB/step (logical) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        speedup = base[r["rate"]] / r["step_time_s"] if r["rate"] in base else float("nan")
-        lines.append(f"| {r['rate']} | {r['variant']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{speedup:.2f}x | {r['inter_node_bytes'] / 1e6:.2f} | {r['intra_node_bytes'] / 1e6:.2f} | "
-                     f"{r['wire_bytes'] / 1e6:.2f} |")
+        c = r.get("collectives", "ring")
+        b = base.get((r["rate"], c))
+        speedup = b["step_time_s"] / r["step_time_s"] if b else float("nan")
+        lines.append(f"| {r['rate']} | {r['variant']} | {COLLECTIVES[c]} | {r['step_time_s']:.3f} | "
+                     f"{r['tokens_per_s']:,.0f} | {speedup:.2f}x | {r['wire_bytes'] / 1e6:.2f} | "
+                     f"{r['ring_model_bytes'] / 1e6:.2f} | {r['wire_bytes'] / r['ring_model_bytes']:.3f} | "
+                     f"{r['inter_node_bytes'] / 1e6:.2f} | {r['intra_node_bytes'] / 1e6:.2f} |")
     return "\n".join(lines)
 
 
 def side_by_side(results: list[dict]) -> str:
-    """One row per link: every variant's step time, its speed-up over ZeRO-3 and, for comparison, the ratio of
-    ZeRO-3's wire bytes to its own (the speed-up if only the bytes between nodes mattered)."""
+    """One row per link and collectives: every variant's step time, its speed-up over ZeRO-3 with the same
+    collectives and, for comparison, the ratio of ZeRO-3's wire bytes to its own (the speed-up if only the bytes
+    between nodes mattered), then the wire bytes per node beside the ring model's."""
     variants = list(dict.fromkeys(r["variant"] for r in results))
-    rows = {(r["rate"], r["variant"]): r for r in results}
-    head = ["link", *(f"{v} s/step" for v in variants), *(f"{v} speed-up (wire ratio)" for v in variants[1:]),
-            "wire MB/step " + " / ".join(variants)]
-    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
-    for rate in dict.fromkeys(r["rate"] for r in results):
-        got = [rows.get((rate, v)) for v in variants]
+    rows = {(r["rate"], r.get("collectives", "ring"), r["variant"]): r for r in results}
+    head = ["link", "collectives", *(f"{v} s/step" for v in variants),
+            *(f"{v} speed-up (wire ratio)" for v in variants[1:]),
+            "wire MB/step per node " + " / ".join(variants), "ring model MB/step per node"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---" + "|---:" * (len(head) - 2) + "|"]
+    for rate, c in dict.fromkeys((r["rate"], r.get("collectives", "ring")) for r in results):
+        got = [rows.get((rate, c, v)) for v in variants]
         base = got[0]
-        cells = [rate, *(f"{g['step_time_s']:.3f}" if g else "-" for g in got)]
+        cells = [rate, COLLECTIVES[c], *(f"{g['step_time_s']:.3f}" if g else "-" for g in got)]
         for g in got[1:]:
             cells.append(f"{base['step_time_s'] / g['step_time_s']:.2f}x ({base['wire_bytes'] / g['wire_bytes']:.2f}x)"
                          if g and base else "-")
         cells.append(" / ".join(f"{g['wire_bytes'] / 1e6:.1f}" if g else "-" for g in got))
+        cells.append(" / ".join(f"{g['ring_model_bytes'] / 1e6:.1f}" if g else "-" for g in got))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def figure(results: list[dict], path: Path) -> None:
     import matplotlib
+
+    first = results[0].get("collectives", "ring")  # the figure shows the first collectives' runs
+    results = [r for r in results if r.get("collectives", "ring") == first]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -206,15 +235,15 @@ def figure(results: list[dict], path: Path) -> None:
         rows = {r["rate"]: r for r in results if r["variant"] == v}
         xs = [i + (j - (len(variants) - 1) / 2) * width for i in range(len(rates))]
         axes[0].bar(xs, [rows[k]["step_time_s"] if k in rows else 0 for k in rates], width, label=v)
-        axes[1].bar(xs, [rows[k]["inter_node_bytes"] / 1e6 if k in rows else 0 for k in rates], width, label=v)
-    for ax, title in zip(axes, ("step time (s)", "inter-node MB per step (logical, all ranks)")):
+        axes[1].bar(xs, [rows[k]["wire_bytes"] / 1e6 if k in rows else 0 for k in rates], width, label=v)
+    for ax, title in zip(axes, ("step time (s)", "MB per step out of each node (wire)")):
         ax.set_xticks(range(len(rates)), rates)
         ax.set_xlabel("inter-node bandwidth per node")
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
-    fig.suptitle("ZeRO-3 vs hpZ (+ hierarchical gradients), 2 emulated nodes x 2 CPU processes (gloo), "
-                 "small Llama (4.0M params)")
+    fig.suptitle(f"ZeRO-3 vs hpZ (+ hierarchical gradients), 2 emulated nodes x 2 CPU processes (gloo, "
+                 f"{COLLECTIVES[first]} collectives), small Llama (4.0M params)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -248,6 +277,7 @@ def parent(args) -> int:
         port = 29500
         worker_args = [str(Path(__file__).resolve()), "--worker", "--out-dir", str(out), "--data", str(data),
                        "--rates", args.rates, "--variants", args.variants, "--steps", str(args.steps),
+                       "--collectives", args.collectives,
                        "--warmup", str(args.warmup)]
         from tools.emulate import torchrun_argv
 
@@ -296,6 +326,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rates", default="100mbit,50mbit,20mbit,unshaped",
                    help="inter-node bandwidths per node and direction (comma-separated; 'unshaped')")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument("--collectives", default="ring",
+                   help="ring (the bytes of NCCL's ring algorithms) and/or native (gloo's own), comma-separated")
     p.add_argument("--steps", type=int, default=6, help="steps per run (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the measurements (default 2)")
     p.add_argument("--out-dir", default=str(REPO / "runs" / "slow_link"))
@@ -308,6 +340,9 @@ def main(argv: list[str]) -> int:
     for v in args.variants.split(","):
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    for c in args.collectives.split(","):
+        if c not in COLLECTIVES:
+            p.error(f"unknown --collectives {c!r}; choose from {', '.join(COLLECTIVES)}")
     return worker(args) if args.worker else parent(args)
 
 

@@ -18,7 +18,8 @@ ZeRO-3 (+ hpZ) calls:
   ``all_gather_into_tensor``, one call per coalesced bucket, or per parameter (``_all_gather_sequential``);
 * gradient reduce-scatter (``reduce_scatter_coalesced``): ``dist.reduce_scatter_fn`` -> ``reduce_scatter_tensor``,
   over the world (hpZ does not change it); with ``hpz.grad_reduce=hierarchical`` instead a ``reduce_scatter_tensor``
-  over the hpZ group and an ``all_to_all_single`` over the ranks with the same hpZ-local rank
+  over the hpZ group, then over the ranks with the same hpZ-local rank another ``reduce_scatter_tensor`` (a ring:
+  NCCL, ``cluster.collectives=ring``) or an ``all_to_all_single`` (gloo's native collectives)
   (:mod:`zerotrain.hpz.grad_reduce`);
 * ``all_reduce`` (gradient norm, overflow checks), ``broadcast`` (``zero.Init`` initial parameters), ``barrier``;
 * with qgZ (``zero_quantized_gradients``): ``all_to_all_single``; other paths ``all_gather``, ``reduce_scatter``.
@@ -54,13 +55,27 @@ suggests (for 2 nodes x k ranks, 2(g-1)N crossing bytes in total against the log
 hierarchical algorithm differs again; the wire bytes of one run are what ``tc -s qdisc`` shows on the emulated
 cluster (``tools.emulate``). For every rank: sum(recv) over ranks == sum(send) over ranks, per category.
 
+The ring model (bytes out of each node)
+---------------------------------------
+Beside the logical count, each call is also counted as a bandwidth-optimal ring would run it (NCCL's ring
+algorithms; :mod:`zerotrain.ring_collectives` on gloo): the group's ranks in group order form a ring and rank r
+sends only to its successor -- all_gather / reduce_scatter (g-1) chunks, all_reduce 2(g-1)/g of the buffer, a
+broadcast (reduce) passes the whole buffer along the chain from (to) the root; all_to_all, send/recv, gather and
+scatter go straight to their peers as in the logical count. The bytes a rank sends that way to a successor on
+another node are ``ring_send_inter``; summed over the ranks and divided by the nodes they are the inter-node bytes
+per node under the ring model (``comm/ring_inter_node_bytes_per_node``), which the emulated cluster's wire bytes
+per node match (benchmarks/slow_link.py) and :mod:`zerotrain.comm_model` predicts in closed form. For a flat
+reduce-scatter over W node-contiguous ranks that is (W-1)/W of the buffer per node, where the logical count says
+(W-k)/W per rank, i.e. k(W-k)/W per node.
+
 Counters
 --------
 :func:`snapshot_and_reset` returns ``{kind: {"calls", "send_intra", "send_inter", "recv_intra", "recv_inter"}}``
 for this rank (``all_ranks=True``: summed over every rank of the world, a collective every rank must call) and
 zeroes them; :func:`metrics_record` turns a snapshot into per-step averages under the ``comm/*`` keys the trainer
 logs. ``inter_node_bytes`` there is bytes *received* from other nodes (summed over ranks: the bytes that crossed
-the inter-node network, each byte counted once).
+the inter-node network, each byte counted once); ``inter_node_bytes_per_node`` the same divided by the nodes, and
+``ring_inter_node_bytes_per_node`` the ring model's (above).
 """
 
 from __future__ import annotations
@@ -76,6 +91,8 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.launch.layout import NodeLayout
 
 FIELDS = ("calls", "send_intra", "send_inter", "recv_intra", "recv_inter")
+RING_FIELD = "ring_send_inter"  # the ring model's bytes to an off-node successor (module docstring)
+_DIRECT = ("all_to_all", "p2p", "gather", "scatter")  # kinds a ring model sends straight to the peers
 
 
 @dataclass
@@ -137,6 +154,7 @@ class _Accountant:
         self.node = layout.node_index[rank]
         self.lock = threading.Lock()
         self.counters: dict[str, list[float]] = {}
+        self.ring: dict[str, float] = {}  # kind -> RING_FIELD bytes
         self._group_ranks: dict[int, tuple[tuple[int, ...], int]] = {}  # id(group) -> (global ranks, my index)
 
     # -- groups ------------------------------------------------------------------------------------------------
@@ -218,8 +236,57 @@ class _Accountant:
             c["recv" + where] += out_chunks[j]
         self.add("all_to_all", **c)
 
+    def _ring_send(self, kind: str, group: Any, nbytes: float, sends: bool = True) -> None:
+        """Under the ring model this rank sends ``nbytes`` to its successor in ``group`` (if ``sends``)."""
+        ranks, me = self.group(group)
+        if not sends or len(ranks) < 2 or self._is_intra(ranks[(me + 1) % len(ranks)]):
+            return
+        with self.lock:
+            self.ring[kind] = self.ring.get(kind, 0.0) + nbytes
+
+    def _ring_model(self, method: str, args: tuple, kwargs: dict) -> None:
+        kind = _METHODS[method]
+        if method in ("all_gather_into_tensor", "all_gather_base", "all_gather", "all_gather_coalesced"):
+            group = _arg(args, kwargs, 2, "group")
+            if method == "all_gather_coalesced":
+                nbytes = sum(_nbytes(t) for t in _arg(args, kwargs, 1, "input_tensors"))
+            else:
+                nbytes = _nbytes(_arg(args, kwargs, 1, "input_tensor", "tensor"))
+            self._ring_send(kind, group, (len(self.group(group)[0]) - 1) * nbytes)
+        elif method in ("reduce_scatter_tensor", "reduce_scatter"):
+            group = _arg(args, kwargs, 3, "group")
+            nbytes = _nbytes(_arg(args, kwargs, 0, "output_tensor", "output"))
+            self._ring_send(kind, group, (len(self.group(group)[0]) - 1) * nbytes)
+        elif method in ("all_reduce", "inference_all_reduce", "all_reduce_coalesced"):
+            group = _arg(args, kwargs, 2, "group")
+            g = len(self.group(group)[0])
+            tensors = _arg(args, kwargs, 0, "tensors", "tensor")
+            nbytes = sum(_nbytes(t) for t in tensors) if method == "all_reduce_coalesced" else _nbytes(tensors)
+            self._ring_send(kind, group, 2 * (g - 1) / g * nbytes)
+        elif method in ("broadcast", "reduce"):
+            group = _arg(args, kwargs, 2 if method == "broadcast" else 4, "group")
+            root = int(_arg(args, kwargs, 1, "src" if method == "broadcast" else "dst"))
+            ranks, me = self.group(group)
+            successor = ranks[(me + 1) % len(ranks)]
+            # The chain starts at the root's successor (reduce) or at the root (broadcast) and ends before it.
+            sends = successor != root if method == "broadcast" else self.rank != root
+            self._ring_send(kind, group, _nbytes(_arg(args, kwargs, 0, "tensor")), sends)
+
     # -- the rules per backend method -------------------------------------------------------------------------
     def record(self, method: str, args: tuple, kwargs: dict) -> None:
+        kind = _METHODS[method]
+        if kind in _DIRECT:  # the ring model's bytes are the logical ones
+            before = self.counters.get(kind, [0] * 5)[2]
+            self._record_logical(method, args, kwargs)
+            sent = self.counters[kind][2] - before
+            if sent:
+                with self.lock:
+                    self.ring[kind] = self.ring.get(kind, 0.0) + sent
+            return
+        self._record_logical(method, args, kwargs)
+        self._ring_model(method, args, kwargs)
+
+    def _record_logical(self, method: str, args: tuple, kwargs: dict) -> None:
         kind = _METHODS[method]
         group = kwargs.get("group")
         if method in ("all_gather_into_tensor", "all_gather_base"):
@@ -357,26 +424,30 @@ def snapshot_and_reset(all_ranks: bool = False) -> dict[str, dict[str, float]]:
         return {}
     with _active.lock:
         counters, _active.counters = _active.counters, {}
+        ring, _active.ring = _active.ring, {}
     if not all_ranks:
-        return {k: dict(zip(FIELDS, map(float, v))) for k, v in sorted(counters.items())}
+        return {k: {**dict(zip(FIELDS, map(float, v))), RING_FIELD: float(ring.get(k, 0.0))}
+                for k, v in sorted(counters.items())}
     import torch
     import torch.distributed as tdist
     from deepspeed.accelerator import get_accelerator
 
     kinds = sorted(set(_METHODS.values()))
-    flat = torch.zeros(len(kinds) * len(FIELDS), dtype=torch.float64)
+    fields = (*FIELDS, RING_FIELD)
+    flat = torch.zeros(len(kinds) * len(fields), dtype=torch.float64)
     for i, kind in enumerate(kinds):
         if kind in counters:
-            flat[i * len(FIELDS):(i + 1) * len(FIELDS)] = torch.tensor(counters[kind], dtype=torch.float64)
+            row = [*counters[kind], ring.get(kind, 0.0)]
+            flat[i * len(fields):(i + 1) * len(fields)] = torch.tensor(row, dtype=torch.float64)
     device = get_accelerator().current_device_name()
     flat = flat.to(device)
     tdist.all_reduce(flat)  # torch.distributed directly: not through deepspeed.comm, so not counted
     flat = flat.cpu().tolist()
     out = {}
     for i, kind in enumerate(kinds):
-        values = flat[i * len(FIELDS):(i + 1) * len(FIELDS)]
+        values = flat[i * len(fields):(i + 1) * len(fields)]
         if values[0]:
-            out[kind] = dict(zip(FIELDS, values))
+            out[kind] = dict(zip(fields, values))
     return out
 
 
@@ -386,22 +457,33 @@ def interval_metrics(steps: int) -> dict[str, float]:
     return metrics_record(snapshot_and_reset(all_ranks=True), steps)
 
 
-def metrics_record(snapshot: dict[str, dict[str, float]], steps: int) -> dict[str, float]:
+def metrics_record(snapshot: dict[str, dict[str, float]], steps: int, nodes: Optional[int] = None) -> dict[str, float]:
     """Per-step averages of a snapshot under the keys the trainer logs:
 
     ``comm/inter_node_bytes``, ``comm/intra_node_bytes`` (bytes received, all kinds), and per kind
-    ``comm/<kind>/inter_node_bytes``, ``comm/<kind>/intra_node_bytes``, ``comm/<kind>/calls``.
+    ``comm/<kind>/inter_node_bytes``, ``comm/<kind>/intra_node_bytes``, ``comm/<kind>/calls``. With ``nodes``
+    (default: the installed layout's; a job-wide snapshot), also per node: ``comm/inter_node_bytes_per_node``
+    (logical) and ``comm/ring_inter_node_bytes_per_node`` (the ring model), and per kind
+    ``comm/<kind>/ring_inter_node_bytes_per_node``.
     """
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
+    if nodes is None and _active is not None:
+        nodes = _active.layout.num_nodes
     out: dict[str, float] = {}
-    inter = intra = 0.0
+    inter = intra = ring = 0.0
     for kind, c in sorted(snapshot.items()):
         out[f"comm/{kind}/inter_node_bytes"] = c["recv_inter"] / steps
         out[f"comm/{kind}/intra_node_bytes"] = c["recv_intra"] / steps
         out[f"comm/{kind}/calls"] = c["calls"] / steps
+        if nodes:
+            out[f"comm/{kind}/ring_inter_node_bytes_per_node"] = c.get(RING_FIELD, 0.0) / steps / nodes
         inter += c["recv_inter"]
         intra += c["recv_intra"]
+        ring += c.get(RING_FIELD, 0.0)
     out["comm/inter_node_bytes"] = inter / steps
     out["comm/intra_node_bytes"] = intra / steps
+    if nodes:
+        out["comm/inter_node_bytes_per_node"] = inter / steps / nodes
+        out["comm/ring_inter_node_bytes_per_node"] = ring / steps / nodes
     return out

@@ -34,6 +34,14 @@ class Accelerator(StrEnum):
     cuda = "cuda"  # NVIDIA GPUs, NCCL: train.py refuses to start when DeepSpeed would fall back to the CPU
 
 
+class Collectives(StrEnum):
+    """The members are :data:`zerotrain.ring_collectives.MODES` (a test keeps the two the same)."""
+
+    auto = "auto"  # ring on the emulated cluster (tools.emulate), native elsewhere
+    ring = "ring"  # gloo groups: ring reduce-scatter / all-gather over point-to-point (NCCL's bytes)
+    native = "native"  # gloo's own collectives (its reduce-scatter is an all-reduce: ~2x the bytes)
+
+
 @dataclass
 class ClusterConfig:
     """The ``cluster`` section (``configs/cluster/*.yaml``): the machines' profile."""
@@ -60,6 +68,11 @@ class ClusterConfig:
     joining) before it fails with a message instead of hanging: a rank that died during start-up. Rank 0's imports
     on a cold shared file system can take minutes, hence not less by default. Collectives after start-up are bounded
     by ``collective_timeout_s`` instead. $ZEROTRAIN_RENDEZVOUS_TIMEOUT, if set, wins."""
+    collectives: Collectives = Collectives.auto
+    """auto | ring | native: how DeepSpeed's reduce-scatter and all-gather run on gloo (the CPU). ring: ring
+    algorithms over point-to-point, the bytes NCCL's rings move, so a CPU baseline is what a GPU user has; native:
+    gloo's (reduce-scatter = all-reduce, ~2x the bytes); auto: ring on the emulated cluster (tools.emulate), native
+    elsewhere. No effect on NCCL. See zerotrain/ring_collectives.py."""
     collective_timeout_s: float = bounded(1800.0, ge=10, le=86400)
     """How long any collective after start-up (every process group: the world, hpZ's, DeepSpeed's) may wait for a
     rank before the waiting ranks fail with a message naming this key (exit 5) instead of hanging: a rank that is

@@ -135,6 +135,10 @@ class Trainer:
         self.dist = distributed.init(cfg.cluster.init_timeout_s, cfg.cluster.collective_timeout_s)
         setup_console(self.dist.rank)
         self.layout = resolve_layout(cfg.zero.get("zero_hpz_partition_size", 1))
+        # gloo's reduce-scatter / all-gather as rings (cluster.collectives), before any engine issues one.
+        from zerotrain import ring_collectives
+
+        self.collectives = ring_collectives.install(str(cfg.cluster.collectives))
         self.dp_size = self.dist.world_size  # ZeRO-3 is pure data parallelism: every rank is a DP rank
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -158,8 +162,9 @@ class Trainer:
         self.hpz_active = self.layout.hpz_size > 1
         from zerotrain import hpz
 
-        if self.hpz_active or cfg.hpz.grad_reduce != GradReduce.flat:  # without hpZ the engine build refuses it
-            hpz.install(mode=str(cfg.hpz.mode), verify=cfg.hpz.verify, grad_reduce=str(cfg.hpz.grad_reduce))
+        self.grad_reduce = self._choose_grad_reduce()
+        if self.hpz_active or self.grad_reduce != GradReduce.flat:  # without hpZ the engine build refuses it
+            hpz.install(mode=str(cfg.hpz.mode), verify=cfg.hpz.verify, grad_reduce=self.grad_reduce)
         else:  # plain ZeRO-3: nothing an earlier run in this process installed (benchmarks, tests) may apply to it
             hpz.uninstall()
         # transformers partitions the model at construction (zero.Init) while this object is referenced.
@@ -209,6 +214,21 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------------------
     # Set-up helpers
     # ----------------------------------------------------------------------------------------------------------
+
+    def _choose_grad_reduce(self) -> str:
+        """hpz.grad_reduce resolved by the ring model (auto), the choice and its predicted saving logged."""
+        from zerotrain.hpz import grad_reduce
+
+        requested = str(self.cfg.hpz.grad_reduce)
+        if requested == GradReduce.flat:
+            return requested
+        layout = self.layout
+        choice = grad_reduce.choose(requested, layout.num_nodes, layout.ranks_per_node, layout.hpz_size)
+        if self.dist.is_main:
+            log.info("%s (cluster.collectives=%s)", choice.describe(), self.collectives)
+            if choice.warning:
+                log.warning(choice.warning)
+        return choice.mode
 
     def _train_loader(self):
         data, train = self.cfg.data, self.cfg.train

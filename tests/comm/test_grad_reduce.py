@@ -2,8 +2,10 @@
 parity with ZeRO-3, exact resume.
 
 Two launches of ``worker_grad_reduce.py`` (``ZEROTRAIN_NODE_NAME=node0/node1`` per ``torchrun --nnodes 2`` launch,
-so the nodes the reduction checks are the launch's nodes): the first runs the unit-level check, the refusals, the
-training runs and the first half of the resumed run; the second is the relaunch that resumes it.
+so the nodes the reduction checks are the launch's nodes): the first runs the ring collectives' checks
+(``cluster.collectives=ring`` against gloo's own, their bytes, the hierarchical path's first-step check), the
+unit-level check, the refusals, the training runs and the first half of the resumed run; the second is the relaunch
+that resumes it.
 
 Tolerances. The hierarchical reduction sums the same numbers in another order, so losses are not bitwise equal:
 every rounding difference (one ulp of the communication dtype in a gradient) is amplified by training. The bounds
@@ -229,3 +231,60 @@ def test_resume_continues_the_hierarchical_run_bit_for_bit(results):
     assert first["losses"] + second["losses"] == uninterrupted[:2 * RESUME_STOP]
     # The relaunch logged at step 10 (steps 8-10: a window cut by the resume), the first launch at step 5.
     assert [r["step"] for r in second["records"] if "loss" in r] == [5, 10]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ring collectives (cluster.collectives=ring) and the hierarchical path's first-step check (the ``ring`` stage)
+# ----------------------------------------------------------------------------------------------------------------
+
+GROUPS = ("world", "hpz_pair", "peer_pair")
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("kind", ["random", "bf16", "integer"])
+def test_ring_collectives_match_gloos(results, group, kind):
+    """All-gather: bitwise equal to gloo's (also with the input inside the output, as DeepSpeed passes it).
+    Reduce-scatter: bitwise equal to the ring's left-to-right sum on every group, and to gloo's on 2-rank groups
+    (a + b == b + a) and for integer-valued floats; on the 4-rank world within fp tolerance (another summation
+    order); the same with the output inside the input (DeepSpeed's layout) and with async_op."""
+    for rank, r in enumerate(section(results, "ring")["per_rank"]):
+        case = r["collectives"][f"{group}-{kind}"]
+        assert case["ag_equal_native"] and case["ag_in_place_equal"], (rank, case)
+        assert case["rs_equal_left_fold"] and case["rs_aliased_equal"] and case["rs_async_equal"], (rank, case)
+        assert case["rs_allclose_native"], (rank, case)
+        if case["g"] == 2 or kind == "integer":
+            assert case["rs_equal_native"] and case["rs_max_diff"] == 0.0, (rank, case)
+        else:
+            assert case["rs_max_diff"] < (0.1 if kind == "bf16" else 1e-5), (rank, case)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_ring_reduce_scatter_sends_g_minus_1_chunks_to_its_successor_only(results, group):
+    for rank, r in enumerate(section(results, "ring")["per_rank"]):
+        case = r["collectives"][f"{group}-random"]
+        assert case["rs_sent"] == case["rs_expected"], (rank, case)
+
+
+def test_ring_bytes_leaving_the_nodes_are_the_accountings_ring_model(results):
+    """A reduce-scatter and an all-gather of 40 kB per rank over 2 nodes x 2: what the rings sent to a rank of the
+    other node, per node, equals the accounting's ring model, 3/4 of 40 kB + 3/4 of 160 kB."""
+    for rank, r in enumerate(section(results, "ring")["per_rank"]):
+        b = r["bytes"]
+        assert b["sent_off_node_per_node"] == b["ring_model_per_node"] == 0.75 * b["payload"] * 5, (rank, b)
+
+
+def test_hierarchical_first_step_passes_with_a_ring_stage_2_and_fails_when_deepspeeds_flat_path_runs(results):
+    for rank, r in enumerate(section(results, "ring")["per_rank"]):
+        ok, bypassed = r["first_step"], r["first_step_bypassed"]
+        assert ok["stepped"], (rank, ok)
+        assert "reduce_scatter" in ok["kinds"] and "all_to_all" not in ok["kinds"], ok  # stage 2: a ring
+        assert not bypassed["stepped"] and bypassed["type"] == "GradReduceBypassedError", (rank, bypassed)
+        assert "flat path" in bypassed["message"] and "deepspeed 0.19.8" in bypassed["message"], bypassed
+
+
+def test_auto_resolves_by_the_ring_model_at_start_up(results):
+    """2 nodes x 2 with hpZ 2: hierarchical (the model: 0.5 vs 0.75 of the gradient bytes per node); plain ZeRO-3:
+    flat, and no refusal (the control: explicit hierarchical without hpZ is refused, above)."""
+    for rank, r in enumerate(section(results, "ring")["per_rank"]):
+        assert r["auto-hpz"] == {"grad_reduce": "hierarchical", "collectives": "ring", "plan": True}, rank
+        assert r["auto-zero3"] == {"grad_reduce": "flat", "collectives": "ring", "plan": False}, rank

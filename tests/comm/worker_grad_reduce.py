@@ -5,6 +5,7 @@ the nodes the reduction assumes are the launch's nodes. Usage::
 
     worker_grad_reduce.py OUT.json main DATA RUNS_DIR      # unit check, refusals, loss parity, resume's 1st launch
     worker_grad_reduce.py OUT.json resume DATA RUNS_DIR    # resume's relaunch
+    worker_grad_reduce.py OUT.json ring DATA RUNS_DIR      # the ring stage alone
 
 Stages (each records its result or its error; rank 0 writes OUT.json):
 
@@ -16,6 +17,11 @@ Stages (each records its result or its error; rank 0 writes OUT.json):
   ZeRO-3 vs hierarchical, and the negative control (hierarchical without the reorder) (a 1-layer tiny Llama: the
   step time is ZeRO-3's per-parameter collectives, not compute); plus
   ``contiguous_gradients=false`` (a path that still goes through the patched reduction);
+* ``ring``: :mod:`zerotrain.ring_collectives` (``cluster.collectives=ring``) against gloo's own collectives on the
+  world, the hpZ pairs and the same-local-rank pairs (fp32, bf16, integer-valued; DeepSpeed's aliasing of output
+  and input; ``async_op``), the bytes each rank's rings really sent to whom against the ring model and the
+  accounting's ring-model count, and the hierarchical engine's first-step check (stage 2 a ring reduce-scatter),
+  with its negative control (DeepSpeed's flat reduce-scatter restored under the hierarchical plan: it must fail);
 * ``resume``: hierarchical fp32 stopped at step 7 (``train.exit_interval=7``, log interval 5), relaunched with the
   same command: it resumes and stops at step 14.
 """
@@ -295,6 +301,180 @@ def parity(runs: Path, data: str) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# ring: the ring collectives against gloo's, their bytes, and the hierarchical path's first-step check
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _inputs(kind: str, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(77 + rank())
+    if kind == "integer":
+        return torch.randint(-4096, 4096, (numel,), generator=g).float()
+    t = torch.randn(numel, generator=g)
+    return t.bfloat16() if kind == "bf16" else t
+
+
+def _left_fold(inputs: list[torch.Tensor], group_rank: int, g: int) -> torch.Tensor:
+    """The ring's order for chunk ``group_rank``: ((x[c+1] + x[c+2]) + ...) + x[c], on this rank."""
+    chunks = [t.view(g, -1)[group_rank] for t in inputs]
+    acc = chunks[(group_rank + 1) % g].clone()
+    for j in range(2, g + 1):
+        acc = acc + chunks[(group_rank + j) % g]
+    return acc
+
+
+def _ring_collectives_vs_native(groups: dict) -> dict:
+    import deepspeed.comm as dist
+
+    from zerotrain import ring_collectives
+
+    native_rs = ring_collectives._installed["reduce_scatter_function"]
+    native_ag = ring_collectives._installed["all_gather_function"]
+    out = {}
+    for gname, group in groups.items():
+        g, me = tdist.get_world_size(group), tdist.get_rank(group)
+        members = grad_reduce.group_ranks(group)
+        for kind in ("random", "bf16", "integer"):
+            numel = g * 1031
+            x = _inputs(kind, numel)
+            everyone = [torch.empty_like(x) for _ in range(g)]
+            tdist.all_gather(everyone, x, group=group)  # torch's own list all-gather: not the ring
+            ring_out = torch.empty(numel // g, dtype=x.dtype)
+            ring_collectives.bytes_sent(reset=True)
+            dist.reduce_scatter_fn(ring_out, x.clone(), group=group)
+            sent = ring_collectives.bytes_sent(reset=True)
+            native_out = torch.empty_like(ring_out)
+            native_rs(native_out, x.clone(), op=tdist.ReduceOp.SUM, group=group)
+            # DeepSpeed's own layout: the output is this rank's chunk of the input buffer.
+            aliased = x.clone()
+            dist.reduce_scatter_fn(aliased.view(g, -1)[me], aliased, group=group)
+            handle = dist.reduce_scatter_fn(asynced := torch.empty_like(ring_out), x.clone(), group=group,
+                                            async_op=True)
+            handle.wait()
+            gathered = torch.empty(numel * g, dtype=x.dtype)
+            dist.allgather_fn(gathered, x, group=group)
+            native_gathered = torch.empty_like(gathered)
+            native_ag(output_tensor=native_gathered, input_tensor=x, group=group)
+            in_place = torch.zeros(numel * g, dtype=x.dtype)
+            in_place.view(g, -1)[me].copy_(x)
+            dist.allgather_fn(in_place, in_place.view(g, -1)[me], group=group)
+            tol = 2e-2 if kind == "bf16" else 1e-5
+            out[f"{gname}-{kind}"] = {
+                "g": g,
+                "rs_equal_native": torch.equal(ring_out, native_out),
+                "rs_allclose_native": torch.allclose(ring_out.double(), native_out.double(), rtol=tol, atol=tol),
+                "rs_max_diff": float((ring_out.double() - native_out.double()).abs().max()),
+                "rs_equal_left_fold": torch.equal(ring_out, _left_fold(everyone, me, g)),
+                "rs_aliased_equal": torch.equal(aliased.view(g, -1)[me], ring_out),
+                "rs_async_equal": torch.equal(asynced, ring_out),
+                "ag_equal_native": torch.equal(gathered, native_gathered),
+                "ag_in_place_equal": torch.equal(in_place, native_gathered),
+                "rs_sent": {str(k): v for k, v in sent.items()},
+                "rs_expected": {str(members[(me + 1) % g]): (g - 1) * ring_out.numel() * ring_out.element_size()},
+            }
+    return out
+
+
+def ring(runs: Path, data: str) -> dict:
+    import deepspeed.comm as dist
+    from deepspeed.runtime.comm import coalesced_collectives
+
+    from zerotrain import comm_accounting, ring_collectives
+    from zerotrain.launch.layout import gather_layout
+
+    hpz.uninstall()
+    assert ring_collectives.install("ring") == "ring" and ring_collectives.active()
+    pairs = [tdist.new_group([0, 1]), tdist.new_group([2, 3])]
+    peers = [tdist.new_group([0, 2]), tdist.new_group([1, 3])]
+    groups = {"world": None, "hpz_pair": pairs[rank() // 2], "peer_pair": peers[rank() % 2]}
+    out = {"collectives": _ring_collectives_vs_native(groups)}
+
+    # Bytes: a 4-rank reduce-scatter and all-gather counted by the accounting's ring model vs what the rings sent to
+    # a rank of another node.
+    layout = gather_layout()
+    x = _inputs("random", 4 * 2500)
+    comm_accounting.install(layout)
+    ring_collectives.bytes_sent(reset=True)
+    try:
+        dist.reduce_scatter_fn(torch.empty(2500), x.clone())
+        dist.allgather_fn(torch.empty(4 * 2500 * 4), x)
+        snap = comm_accounting.snapshot_and_reset(all_ranks=True)
+    finally:
+        comm_accounting.uninstall()
+    sent = ring_collectives.bytes_sent(reset=True)
+    off_node = sum(v for peer, v in sent.items() if not layout.same_node(peer, rank()))
+    total = torch.tensor([float(off_node)], dtype=torch.float64)
+    tdist.all_reduce(total)
+    out["bytes"] = {"sent_off_node_per_node": total.item() / layout.num_nodes,
+                    "ring_model_per_node": comm_accounting.metrics_record(snap, 1, nodes=layout.num_nodes)[
+                        "comm/ring_inter_node_bytes_per_node"],
+                    "payload": x.numel() * 4}
+
+    # The hierarchical engine's first-step check, and its negative control.
+    def first_step(bypass: bool) -> dict:
+        hpz.uninstall()
+        hpz.install(grad_reduce="hierarchical")
+        collective = coalesced_collectives._torch_reduce_scatter_fn
+        import deepspeed
+
+        zero = {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0,
+                "stage3_max_reuse_distance": 0, "zero_hpz_partition_size": 2}
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+                  "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+                  "steps_per_print": 10**9}
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                          config=config)
+        if bypass:  # what a DeepSpeed whose reduce no longer goes through the patched function would do
+            coalesced_collectives._torch_reduce_scatter_fn = hpz_original_reduce_scatter()
+        comm_accounting.install(gather_layout())
+        try:
+            loss = engine(torch.randn(1, 16)).sum()
+            engine.backward(loss)
+            engine.step()
+            result = {"stepped": True}
+        except Exception as e:  # noqa: BLE001 -- the error is the result
+            result = {"stepped": False, "type": type(e).__name__, "message": str(e)}
+        finally:
+            coalesced_collectives._torch_reduce_scatter_fn = collective
+            snap = comm_accounting.snapshot_and_reset()
+            comm_accounting.uninstall()
+            engine.destroy()
+            hpz.uninstall()
+        result["kinds"] = sorted(snap)
+        tdist.barrier()
+        return result
+
+    out["first_step"] = first_step(bypass=False)
+    out["first_step_bypassed"] = first_step(bypass=True)
+    ring_collectives.uninstall()
+
+    # hpz.grad_reduce=auto through the trainer's start-up (2x2, hpZ 2: the model says hierarchical saves 1.5x), and
+    # without hpZ (plain ZeRO-3: flat, no refusal). Built only: the first-step check is covered above.
+    from zerotrain.trainer import Trainer
+
+    for name, zero in (("auto-hpz", "zero3_hpz_cpu"), ("auto-zero3", "zero3_cpu")):
+        hpz.uninstall()
+        trainer = Trainer(parse_args([*COMMON, f"zero={zero}", "hpz.grad_reduce=auto", "cluster.collectives=ring",
+                                      f"data.train.0.path={data}", f"run.output_dir={runs}", f"run.name={name}",
+                                      "train.steps=1", "checkpoint.resume=false"]))
+        out[name] = {"grad_reduce": trainer.grad_reduce, "collectives": trainer.collectives,
+                     "plan": getattr(trainer.engine.optimizer, grad_reduce.PLAN_ATTR, None) is not None}
+        trainer.engine.destroy()
+        hpz.uninstall()
+        ring_collectives.uninstall()
+        tdist.barrier()
+    return {"per_rank": gather(out)}
+
+
+def hpz_original_reduce_scatter():
+    """DeepSpeed's own ``_torch_reduce_scatter_fn`` (hpz's patch keeps it as the wrapper's ``__wrapped__``)."""
+    from deepspeed.runtime.comm import coalesced_collectives
+
+    return coalesced_collectives._torch_reduce_scatter_fn.__wrapped__
+
+
 # The same run as parity's fp32-hierarchical but for the log interval and the checkpoints: both launches run this
 # same command; the first stops at RESUME_STOP (a checkpoint, exit), the relaunch resumes and stops at 2*RESUME_STOP.
 RESUME = [f"train.steps={STEPS}", "train.precision=fp32", "hpz.grad_reduce=hierarchical",
@@ -323,12 +503,14 @@ def main(out_path: str, phase: str, data: str, runs_dir: str) -> int:
             Path(out_path + ".tmp").write_text(json.dumps(results))
             os.replace(out_path + ".tmp", out_path)
 
+    if phase in ("main", "ring"):
+        stage("ring", lambda: ring(runs, data))
     if phase == "main":
         stage("unit", unit)
         stage("refusals", lambda: refusals(runs, data))
         stage("parity", lambda: parity(runs, data))
         stage("resume_first", lambda: train("resumed", runs, data, RESUME))
-    else:
+    elif phase == "resume":
         stage("resume_second", lambda: train("resumed", runs, data, RESUME))
     return 0
 

@@ -26,6 +26,7 @@ class GradReduce(StrEnum):
 
     flat = "flat"  # DeepSpeed's reduce-scatter over the world
     hierarchical = "hierarchical"  # inside the hpZ group first, then across nodes over 1/hpZ of the data
+    auto = "auto"  # hierarchical where the ring model says it sends fewer inter-node bytes, flat otherwise
 
 
 @dataclass
@@ -39,7 +40,9 @@ class HpzConfig:
     per shard-reading all-gather); a mismatch stops the run with exit code 4."""
     grad_reduce: GradReduce = GradReduce.flat
     """Gradient reduce-scatter: flat (DeepSpeed's, over the world) | hierarchical (inside the node over the hpZ group
-    first, then across nodes over 1/hpZ of the data: :mod:`zerotrain.hpz.grad_reduce`). Needs hpZ > 1."""
+    first, then across nodes over 1/hpZ of the data: :mod:`zerotrain.hpz.grad_reduce`; needs hpZ > 1) | auto
+    (hierarchical only where the ring model, :mod:`zerotrain.comm_model`, says it sends fewer inter-node bytes per
+    node than the flat ring; the choice and the predicted saving are logged at start-up)."""
     emulate_async: bool = False
     """CPU only: run under the emulated asynchronous accelerator (zerotrain.hpz.async_emulator), so that hpZ's shard
     race happens as it would on a GPU (the copy deferred on its stream, fresh shards poisoned) and every racy read is

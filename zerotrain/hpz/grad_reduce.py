@@ -14,9 +14,15 @@ two stages, each rank still ending with exactly the partition ZeRO-3 expects:
 
 Stage 1 needs each local rank's m partitions to be contiguous, so the flat buffer (W partitions in rank order, as
 DeepSpeed builds it) is **reordered before the collectives**, viewed as (m, h, P) and transposed to (h, m, P);
-nothing is reordered after them. Stage 2 is a reduce-scatter done as an all-to-all plus a local sum: on every
-backend that moves exactly the payload between nodes, while gloo's ``reduce_scatter_tensor`` (an all-reduce
-inside) sends each rank's whole buffer across -- twice the bytes of a 2-node stage 2 (measured, docs/hpz.md).
+nothing is reordered after them. Stage 2 is DeepSpeed's ``reduce_scatter_fn`` over the same-local-rank group
+where that is a ring (NCCL; gloo with ``cluster.collectives=ring``, :mod:`zerotrain.ring_collectives`), and an
+all-to-all plus a local sum on gloo's native collectives, whose ``reduce_scatter_tensor`` (an all-reduce inside)
+would send each rank's whole buffer across -- twice the bytes of a 2-node stage 2 (measured, docs/hpz.md).
+
+Inter-node bytes (:mod:`zerotrain.comm_model`, the ring model): per node and B-byte gradient buffer, the flat ring
+sends (W-1)/W B, the hierarchical reduction (m-1)/m B with a ring stage 2 -- not a factor h less: with hpZ = the
+node (h = k ranks per node, m = N nodes) the ratio is (W-1)/W : (N-1)/N, 1.5x on 2x2, 1.29x on 4x8.
+``hpz.grad_reduce=auto`` (:func:`choose`) takes the hierarchical path only where the model says it sends fewer.
 
 How it is installed (over pinned DeepSpeed, by :mod:`zerotrain.hpz`, never copying DeepSpeed's code):
 
@@ -27,7 +33,13 @@ How it is installed (over pinned DeepSpeed, by :mod:`zerotrain.hpz`, never copyi
   ZeRO-3: makes that optimizer's :class:`ReducePlan` active on this thread for the call;
 * ``DeepSpeedZeroOptimizer_Stage3.__init__`` -- checks the configuration and builds the plan (collectively: the
   node layout is gathered and the same-local-rank groups are created), before any training;
+* ``DeepSpeedZeroOptimizer_Stage3.step`` -- at the first step of an optimizer with a plan, checks that its
+  gradients went through the two stages and fails (:class:`GradReduceBypassedError`) if DeepSpeed's flat path ran
+  instead: a DeepSpeed that stops calling one of the functions above would otherwise silently train flat;
 * ``DeepSpeedZeroOptimizer.__init__`` (ZeRO stage 1/2) -- refuses: those stages have no hpZ.
+
+Only the DeepSpeed versions these patches were tested on (:data:`TESTED_DEEPSPEED`) are accepted; a constructor
+argument we read that DeepSpeed renamed is reported with the installed version.
 
 The plan is fixed per ZeRO-3 optimizer when it is built: switching ``grad_reduce`` later affects new engines only.
 Nothing is patched until ``hpz.install(grad_reduce="hierarchical")`` is first called.
@@ -51,8 +63,10 @@ from zerotrain.errors import ZerotrainError
 from . import counting
 from .config import GradReduce
 
-GRAD_REDUCE_MODES = tuple(mode.value for mode in GradReduce)  # the hpz.grad_reduce values, as plain strings
+GRAD_REDUCE_MODES = tuple(mode.value for mode in GradReduce)  # the hpz.grad_reduce values, as plain strings  # auto: resolved by choose() before install
 PLAN_ATTR = "_zt_grad_reduce_plan"
+STATS_ATTR = "_zt_grad_reduce_stats"  # per optimizer: [bucket reductions seen, of which hierarchical, checked]
+TESTED_DEEPSPEED = ("0.19.8",)  # the versions the patches below were tested with
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +77,25 @@ _active = threading.local()  # .plan: the ReducePlan of the ZeRO-3 optimizer red
 
 class GradReduceConfigError(ZerotrainError, ValueError):
     """``hpz.grad_reduce=hierarchical`` cannot run with this engine's configuration; the message says why."""
+
+
+class GradReduceBypassedError(ZerotrainError, RuntimeError):
+    """The first optimizer step of a hierarchical engine found gradients reduced by DeepSpeed's flat path."""
+
+
+def deepspeed_version() -> str:
+    import deepspeed
+
+    return str(getattr(deepspeed, "__version__", "unknown"))
+
+
+def check_version() -> None:
+    found = deepspeed_version()
+    if found not in TESTED_DEEPSPEED:
+        raise GradReduceConfigError(
+            f"hpz.grad_reduce=hierarchical patches DeepSpeed's ZeRO-3 gradient path and was tested with deepspeed "
+            f"{', '.join(TESTED_DEEPSPEED)}; deepspeed {found} is installed. Install deepspeed=="
+            f"{TESTED_DEEPSPEED[-1]} or use hpz.grad_reduce=flat.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +124,8 @@ class ReducePlan:
 
 def set_mode(mode: str) -> None:
     global _mode
+    if mode == "auto":
+        raise ValueError("hpz.grad_reduce=auto must be resolved to flat or hierarchical first (grad_reduce.choose)")
     if mode not in GRAD_REDUCE_MODES:
         raise ValueError(f"unknown hpz.grad_reduce {mode!r}; expected one of {GRAD_REDUCE_MODES}")
     _mode = mode
@@ -106,6 +141,7 @@ def configure(patches: Any, mode: str) -> None:
     global _applied_to
     set_mode(mode)
     if mode == "hierarchical" and _applied_to is not patches:
+        check_version()
         _apply(patches)
         _applied_to = patches
 
@@ -147,9 +183,39 @@ def hierarchical_reduce_scatter(flat: torch.Tensor, output: torch.Tensor, plan: 
     if m == 1:  # one hpZ group is the whole world: stage 1 was everything
         output.copy_(partial)
         return
+    if stage2_algorithm(plan.peer_group) == "ring":  # member j gets block j summed: a ring moves (m-1)/m of it
+        dist.reduce_scatter_fn(output, partial, group=plan.peer_group)
+        return
     received = torch.empty_like(partial)
     dist.all_to_all_single(received, partial, group=plan.peer_group)  # block j of `partial` goes to member j
     torch.sum(received.view(m, part), dim=0, out=output)
+
+
+def stage2_algorithm(group: Any = None) -> str:
+    """How stage 2 runs on ``group``'s backend: ``ring`` (a reduce-scatter that is a ring: NCCL, or gloo with the
+    ring collectives installed) or ``all_to_all`` (gloo's native collectives)."""
+    import torch.distributed as tdist
+
+    from zerotrain import ring_collectives
+
+    if ring_collectives.active() or tdist.get_backend(group) != "gloo":
+        return "ring"
+    return "all_to_all"
+
+
+def choose(requested: str, num_nodes: int, ranks_per_node: int, hpz_size: int):
+    """Resolve ``hpz.grad_reduce`` for this job by the ring model (:func:`zerotrain.comm_model.choose`), with the
+    stage-2 algorithm this process group will use. After the process group (and the ring collectives) exist."""
+    from zerotrain import comm_model
+
+    if requested != "auto" and requested not in GRAD_REDUCE_MODES:
+        raise ValueError(f"unknown hpz.grad_reduce {requested!r}; expected one of {GRAD_REDUCE_MODES}")
+    if hpz_size <= 1 or ranks_per_node % hpz_size:  # no (intra-node) hpZ group: nothing hierarchical to weigh
+        if requested == "auto":
+            return comm_model.Choice("auto", "flat", 1.0, 1.0, "none")
+        return comm_model.Choice(requested, requested, 1.0, 1.0, "none")
+    shape = comm_model.Shape(num_nodes, ranks_per_node, hpz_size)
+    return comm_model.choose(requested, shape, stage2_algorithm())
 
 
 @contextlib.contextmanager
@@ -173,6 +239,17 @@ def _offloaded(offload_config: Any) -> bool:
     return offload_config is not None and str(getattr(device, "value", device)) not in ("none", "None")
 
 
+class _Arguments(dict):
+    """The ZeRO-3 optimizer's constructor arguments; one we read that this DeepSpeed does not take is a clear
+    error naming the version, not a KeyError."""
+
+    def __missing__(self, name: str) -> Any:
+        raise GradReduceConfigError(
+            f"hpz.grad_reduce=hierarchical reads DeepSpeedZeroOptimizer_Stage3's argument {name!r}, which deepspeed "
+            f"{deepspeed_version()} does not have (renamed or removed; tested with {', '.join(TESTED_DEEPSPEED)}). "
+            f"Install deepspeed=={TESTED_DEEPSPEED[-1]} or use hpz.grad_reduce=flat.")
+
+
 def check_arguments(optimizer_cls: type, arguments: Mapping[str, Any]) -> int:
     """Refuse configurations whose gradients would not go through the reduction we replace, or that we do not
     support; returns the hpZ size. ``arguments``: the ZeRO-3 optimizer's constructor arguments, defaults applied.
@@ -181,6 +258,7 @@ def check_arguments(optimizer_cls: type, arguments: Mapping[str, Any]) -> int:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     prefix = "hpz.grad_reduce=hierarchical"
+    arguments = _Arguments(arguments)
     hpz_size = min(int(arguments["zero_hpz_partition_size"]), dist.get_world_size())
     if hpz_size <= 1:
         raise GradReduceConfigError(
@@ -282,6 +360,7 @@ def _apply(patches: Any) -> None:
         plan.check_group(group)
         hierarchical_reduce_scatter(input_tensor, output_tensor, plan)
         counting.bump("hierarchical_grad_reduces")
+        _active.hierarchical = getattr(_active, "hierarchical", 0) + 1
         return None
 
     patches.replace(coalesced_collectives, "_torch_reduce_scatter_fn", _torch_reduce_scatter_fn)
@@ -292,10 +371,27 @@ def _apply(patches: Any) -> None:
 
     @functools.wraps(scatter_original)
     def _avg_scatter_grads(self, params_to_reduce, communication_data_type):
-        with reducing_with(getattr(self, PLAN_ATTR, None)):
-            return scatter_original(self, params_to_reduce, communication_data_type)
+        plan = getattr(self, PLAN_ATTR, None)
+        before = getattr(_active, "hierarchical", 0)
+        with reducing_with(plan):
+            result = scatter_original(self, params_to_reduce, communication_data_type)
+        if plan is not None:
+            stats = getattr(self, STATS_ATTR)
+            stats[0] += 1
+            stats[1] += getattr(_active, "hierarchical", 0) - before
+        return result
 
     patches.replace(DeepSpeedZeroOptimizer_Stage3, scatter_name, _avg_scatter_grads)
+
+    step_original = DeepSpeedZeroOptimizer_Stage3.step
+
+    @functools.wraps(step_original)
+    def step(self, *args, **kwargs):
+        if getattr(self, PLAN_ATTR, None) is not None and not getattr(self, STATS_ATTR)[2]:
+            check_first_step(self)
+        return step_original(self, *args, **kwargs)
+
+    patches.replace(DeepSpeedZeroOptimizer_Stage3, "step", step)
 
     init_original = DeepSpeedZeroOptimizer_Stage3.__init__
     signature = inspect.signature(init_original)
@@ -311,6 +407,7 @@ def _apply(patches: Any) -> None:
         check_layout(hpz_size)
         init_original(self, *args, **kwargs)
         setattr(self, PLAN_ATTR, build_plan(hpz_size, self.parameter_offload.zero_param_parallel_group))
+        setattr(self, STATS_ATTR, [0, 0, False])
         log.info("hpz.grad_reduce=hierarchical: gradients reduce-scattered in hpZ groups of %d, then across %d "
                  "groups", hpz_size, getattr(self, PLAN_ATTR).num_groups)
 
@@ -327,3 +424,23 @@ def _apply(patches: Any) -> None:
         stage12_original(self, *args, **kwargs)
 
     patches.replace(DeepSpeedZeroOptimizer, "__init__", _stage12_init)
+
+
+def check_first_step(optimizer: Any) -> None:
+    """Before the first step of a hierarchical ZeRO-3 optimizer: every gradient bucket reduced so far went through
+    the two stages. Nothing seen at all, or fewer hierarchical reductions than buckets, means DeepSpeed reduced
+    (some) gradients by a path our patches do not cover: stop rather than train flat under a hierarchical label."""
+    import deepspeed.comm as dist
+
+    stats = getattr(optimizer, STATS_ATTR)
+    buckets, hierarchical = stats[0], stats[1]
+    if buckets == 0 or hierarchical < buckets:
+        what = ("no gradient bucket went through DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads"
+                if buckets == 0 else
+                f"{buckets - hierarchical} of {buckets} gradient buckets were reduce-scattered by DeepSpeed's "
+                f"flat path (coalesced_collectives._torch_reduce_scatter_fn not called, or called without our plan)")
+        raise GradReduceBypassedError(
+            f"hpz.grad_reduce=hierarchical, rank {dist.get_rank()}, first optimizer step: {what}. The gradient path "
+            f"of deepspeed {deepspeed_version()} differs from the one these patches hook (tested with "
+            f"{', '.join(TESTED_DEEPSPEED)}); use hpz.grad_reduce=flat or the tested DeepSpeed.")
+    stats[2] = True
