@@ -63,7 +63,7 @@ from zerotrain.errors import ZerotrainError
 from . import counting
 from .config import GradReduce
 
-GRAD_REDUCE_MODES = tuple(mode.value for mode in GradReduce)  # the hpz.grad_reduce values; auto is resolved by choose() before install
+GRAD_REDUCE_MODES = tuple(mode.value for mode in GradReduce)  # hpz.grad_reduce's values; auto: resolved by choose()
 PLAN_ATTR = "_zt_grad_reduce_plan"
 STATS_ATTR = "_zt_grad_reduce_stats"  # per optimizer: [bucket reductions seen, of which hierarchical, checked]
 TESTED_DEEPSPEED = ("0.19.8",)  # the versions the patches below were tested with
