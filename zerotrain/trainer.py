@@ -46,6 +46,7 @@ from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
 from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, CheckpointError, StorageError, TrainingDiverged, ZerotrainError
 from zerotrain.hpz.config import GradReduce
+from zerotrain.hpz import options as hpz_options
 from zerotrain.hpz.emulated_run import EmulatedRun
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
 from zerotrain.launch.preemption import PreemptionHandler
@@ -138,6 +139,8 @@ class Trainer:
             cfg.zero, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
             grad_clip=train.grad_clip, precision=train.precision, seed=cfg.run.seed, dp_size=self.dp_size,
             hpz_size=self.layout.hpz_size, extra=cfg.deepspeed)
+        # Options hpZ is refused with (docs/hpz.md's option matrix): exit 2 before anything is written or built.
+        hpz_options.check(self.ds_config, get_accelerator().device_name())
         # A checkpoint of another world size resumes from its universal copy (made here if needed, before anything
         # is written or built), which DeepSpeed reads only when its config says so at initialize.
         if cfg.checkpoint.resume and checkpoint_convert.prepare_resume(
