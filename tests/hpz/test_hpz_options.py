@@ -98,3 +98,10 @@ def test_the_trainers_deepspeed_config_from_run_config_overrides_is_refused():
                                     seed=0, dp_size=4, hpz_size=2, extra=cfg.deepspeed)
     keys = [key for key, _ in options.refusals(built, "cpu")]
     assert keys == ["zero.offload_param.device=cpu", "deepspeed.compile.deepcompile=true"]
+
+
+def test_the_emulator_launch_records_the_same_refused_rows_for_the_table():
+    import worker_matrix  # the launch records each refusal's message (benchmarks/hpz_matrix.py's table)
+
+    assert set(worker_matrix.REFUSED) == set(REFUSED)
+    assert all(worker_matrix.REFUSED[name] == REFUSED[name][:2] for name in REFUSED)
