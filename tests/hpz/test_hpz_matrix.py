@@ -6,7 +6,8 @@ emulated nodes x 2, hpZ 2, gloo). For each option and model:
 * ``ordered``: no race on any rank, shard writes deferred (the emulator was at work), no skipped step, and every
   rank's training and evaluation losses bitwise equal to plain ZeRO-3 with the same option (``sync`` with the same
   option where plain ZeRO-3 cannot take it: hierarchical gradients need an hpZ group);
-* ``stock``: races on every rank, and the race reaches training (losses differ or a step is skipped);
+* ``stock``: races on every rank, and the race reaches training (losses differ or a step is skipped); Llama
+  always, Falcon with ``HPZ_MATRIX_FULL=1`` (the suite's time budget);
 * the option really was in effect (its evidence: clipping clipped, the loss scale moved, the weights came from the
   file, the resumed engine continued DeepSpeed's step count, ...).
 
@@ -54,6 +55,9 @@ def test_ordered_has_no_race_and_matches_the_reference_bitwise(hpz_emulated, opt
 
 @pytest.mark.parametrize("option,kind", ROWS)
 def test_stock_races_on_every_rank_and_the_race_reaches_training(hpz_emulated, option, kind):
+    if f"matrix:{option}:{kind}:stock" not in M.specs() and f"matrix:{option}:{kind}:stock" not in \
+            hpz_emulated["runs"]:
+        pytest.skip("Falcon's stock arms run with HPZ_MATRIX_FULL=1 (worker_matrix.specs)")
     r = run(hpz_emulated, option, kind, "stock")
     ref = run(hpz_emulated, option, kind, M.REFERENCE_ARM.get(option, "plain"))
     assert all(n > 0 for n in races(r)), f"races per rank: {races(r)}"
