@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """docs/hpz.md's option matrix, from the emulator launch's JSON: every option with hpZ, works or refused.
 
-    HPZ_RESULTS_DIR=runs/hpz .venv/bin/python -m pytest tests/hpz/test_hpz_emulated.py tests/hpz/test_hpz_matrix.py
+    HPZ_MATRIX_FULL=1 HPZ_RESULTS_DIR=runs/hpz .venv/bin/python -m pytest tests/hpz/test_hpz_matrix.py
     .venv/bin/python benchmarks/hpz_matrix.py runs/hpz/hpz_emulated.json --update docs/hpz.md
     .venv/bin/python benchmarks/hpz_matrix.py --launch runs/hpz/hpz_emulated.json --update docs/hpz.md  # own launch
 
@@ -41,7 +41,7 @@ NOTES = {
               "parameters' shards)",
     "mmlu_hook": "zerotrain.evaluation.evaluate between steps: the same log-likelihoods as plain ZeRO-3",
     "grad_reduce_hierarchical": "reference: sync with the same reduction (plain ZeRO-3 has no hpZ group to reduce "
-                                "in); vs flat ZeRO-3 it is within the tolerance of the section below (summation "
+                                "in); vs flat ZeRO-3 it is within the tolerances of the section above (summation "
                                 "order)",
 }
 REFUSED_LABELS = {
