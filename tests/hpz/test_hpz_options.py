@@ -101,7 +101,9 @@ def test_the_trainers_deepspeed_config_from_run_config_overrides_is_refused():
 
 
 def test_the_emulator_launch_records_the_same_refused_rows_for_the_table():
-    import worker_matrix  # the launch records each refusal's message (benchmarks/hpz_matrix.py's table)
+    import worker_matrix  # benchmarks/hpz_matrix.py's table takes each refusal's message from it
 
     assert set(worker_matrix.REFUSED) == set(REFUSED)
     assert all(worker_matrix.REFUSED[name] == REFUSED[name][:2] for name in REFUSED)
+    recorded = worker_matrix.refusals()
+    assert all(r["refused"] and r["exit_code"] == EXIT_USER_ERROR for r in recorded.values()), recorded

@@ -161,7 +161,6 @@ def main(out_path: str, specs: list) -> None:
             r = results["runs"][spec]
             print(f"{spec}: {r.get('seconds')} s races/rank {[e['races'] for e in r.get('emulator', [])]}",
                   flush=True)
-    results["refusals"] = worker_matrix.refusals()
     results["seconds"] = round(time.time() - t_all, 1)
     results["complete"] = True
     C.write_json(out_path, results)

@@ -44,8 +44,8 @@ OPTIONS = {
     "mmlu_hook": "validation and the MMLU hook (zerotrain.evaluation.evaluate between steps)",
     "grad_reduce_hierarchical": "hpz.grad_reduce=hierarchical",
 }
-# Refused rows (zerotrain.hpz.options): name -> (zero_optimization extras, top-level extras); the worker records
-# each refusal's message for the table, tests/hpz/test_hpz_options.py checks them.
+# Refused rows (zerotrain.hpz.options): name -> (zero_optimization extras, top-level extras); benchmarks/hpz_matrix.py
+# writes each refusal's message into the table (refusals()), tests/hpz/test_hpz_options.py checks them.
 REFUSED = {
     "offload_param": ({"offload_param": {"device": "cpu"}}, {}),
     "super_offload": ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, {}),

@@ -57,8 +57,9 @@ def refusals(ds_config: Mapping[str, Any], device: str, naming: str = "zerotrain
     if _device(zero.get("offload_param")) != "none":
         out.append((f"{z}offload_param.device={_device(zero.get('offload_param'))}",
                     "parameter offload with hpZ is reported broken (loss stuck, grad_norm 0: DeepSpeed issue "
-                    f"{DS_ISSUES}/6926, ms-swift https://github.com/modelscope/ms-swift/issues/3697) and is not "
-                    f"shown to work under the emulator; set {z}offload_param.device=none or "
+                    f"{DS_ISSUES}/6926, ms-swift https://github.com/modelscope/ms-swift/issues/3697), and the CPU "
+                    "cannot show otherwise: offloading to the host is no move there, so a race-free run under the "
+                    f"emulator says nothing of the device-host copies; set {z}offload_param.device=none or "
                     f"{z}zero_hpz_partition_size=1"))
     offload_optimizer = zero.get("offload_optimizer")
     if _enabled(offload_optimizer, "super_offload"):
