@@ -6,6 +6,7 @@ killed during start-up, a rank that never joins. Real train.py, real torchrun, r
   same train.py without those lines, dies of the signal: exit 138 in a shell).
 * Under ``python -m zerotrain.launch.torchrun`` the run exits with the failed rank's code (2, 75, 128+n), a user
   error is printed once, and a rank killed during start-up is named (plain torchrun: exit 1 for all of them).
+* An option refused with hpZ (zero.offload_param) exits 2 naming both keys, before the run directory is written.
 * A rank whose peer never joins fails after ``cluster.init_timeout_s`` with a message instead of hanging.
 * A rank stopped (SIGSTOP) during training ends the run after ``cluster.collective_timeout_s``, exit 5, with a
   message naming the key (the control: with the default 30 minutes the run is still waiting).
@@ -78,6 +79,18 @@ def test_user_error_under_torchrun_exits_2_and_is_printed_once():
     # Negative control: plain torchrun loses the code.
     plain = run([*TORCHRUN, *args], check=False, timeout=600)
     assert plain.returncode == 1
+
+
+def test_an_option_refused_with_hpz_exits_2_naming_both_keys_before_anything_is_written(shakespeare, tmp_path):
+    """zerotrain.hpz.options at the engine build (docs/hpz.md#option-matrix): hpZ 2 on 2 ranks + parameter offload."""
+    args = ["--nproc_per_node=2", "train.py", "recipe=tiny_llama", "zero=zero3_hpz", "zero.offload_param.device=cpu",
+            "wandb.enabled=false", f"data.train.0.path={shakespeare}", f"run.output_dir={tmp_path}", "run.name=r"]
+    proc = run([*WRAPPER, *args], check=False, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count("zero.offload_param.device=cpu with zero.zero_hpz_partition_size=2 (hpZ) is refused") == 1
+    assert "issues/6926" in out and "Traceback" not in out
+    assert not (tmp_path / "r").exists()  # refused before the run directory was written
 
 
 def test_rank_killed_during_startup_is_named_and_ends_the_run():

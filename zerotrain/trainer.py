@@ -45,6 +45,7 @@ from zerotrain import (
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
 from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, StorageError, TrainingDiverged, ZerotrainError
+from zerotrain.hpz import options as hpz_options
 from zerotrain.hpz.config import GradReduce
 from zerotrain.hpz.emulated_run import EmulatedRun
 from zerotrain.launch.layout import resolve_layout, verify_deepspeed_hpz_groups
@@ -147,6 +148,8 @@ class Trainer:
             cfg.zero, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
             grad_clip=train.grad_clip, precision=train.precision, seed=cfg.run.seed, dp_size=self.dp_size,
             hpz_size=self.layout.hpz_size, extra=cfg.deepspeed)
+        # Options hpZ is refused with (docs/hpz.md's option matrix): exit 2 before anything is written or built.
+        hpz_options.check(self.ds_config, get_accelerator().device_name())
         # Before anything is written or built: a checkpoint of another world size resumes from its universal copy
         # (made here if needed), which DeepSpeed reads only when its config says so at initialize.
         self.resume_plan = checkpoint.plan_resume(cfg.checkpoint, self.ckpt_root, self.dist.rank,

@@ -15,7 +15,9 @@ Runs (``kind:dtype:arm[:variant]``):
   wrong stream, and the wait for the last-released shard skipped;
 * the leaf-module fast path (``stage3_module_granularity_threshold > 0``, MLPs as
   leaves): sync, ordered, and ordered with its copy-source protection removed (plain
-  ZeRO-3 computes the same losses with and without the fast path).
+  ZeRO-3 computes the same losses with and without the fast path);
+* the option matrix (``matrix:...`` specs, worker_matrix.py): each option in plain
+  ZeRO-3, ``stock`` and ``ordered``.
 
 Usage: worker_emulator.py OUT.json [SPEC ...]   (no SPEC: every run above)
 """
@@ -35,6 +37,7 @@ ACCELERATOR = emu.install()  # first: DeepSpeed creates its streams from the acc
 
 import _common as C  # noqa: E402
 import _emulator_controls as controls  # noqa: E402
+import worker_matrix  # noqa: E402
 import torch  # noqa: E402
 
 C.init_dist()
@@ -56,7 +59,7 @@ def all_specs() -> list:
     specs = [f"{k}:{d}:{arm}" for k, d in MODELS for arm in ARMS]
     specs += [f"llama:fp32:ordered:{control}" for control in controls.CONTROLS]
     specs += [f"llama:fp32:{arm}:leaf" for arm in LEAF_ARMS]
-    return specs
+    return specs + worker_matrix.specs()
 
 
 # ------------------------------------------------------------------ arms that are not an hpz mode
@@ -149,7 +152,7 @@ def main(out_path: str, specs: list) -> None:
     t_all = time.time()
     for spec in specs:
         try:
-            results["runs"][spec] = run(spec)
+            results["runs"][spec] = worker_matrix.run(spec, ACCELERATOR) if spec.startswith("matrix:") else run(spec)
         except Exception:  # noqa: BLE001 -- recorded, and the test that reads this run fails with it
             results["runs"][spec] = {"error": traceback.format_exc()[-3000:]}
         torch.distributed.barrier()
