@@ -6,6 +6,8 @@ runs tests/test_training.py already launches.
 
 from __future__ import annotations
 
+import gzip
+import json
 import time
 from pathlib import Path
 
@@ -95,3 +97,30 @@ def test_without_the_subtraction_forward_would_hold_the_wait():
         time.sleep(0.04)
     shares = times.read()
     assert shares["time/comm_wait_share"] == 0 and shares["time/forward_share"] > 0.9
+
+
+def _run_steps(profiler: profiling.Profiler, steps: range) -> None:
+    for step in steps:
+        profiler.begin(step)
+        with profiling.trace_range(f"test/step_{step}"):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+        profiler.end(step)
+    profiler.close()
+
+
+def test_profiler_writes_the_chosen_window_with_torchs_exporter_and_publishes_it(tmp_path):
+    published = []
+    cfg = profiling.ProfileConfig(enabled=True, steps=[2, 3], gzip=True, wandb_artifact=True)
+    profiler = profiling.Profiler(cfg, tmp_path, rank=0, publish=lambda path, name: published.append((path, name)))
+    _run_steps(profiler, range(1, 6))
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert files == ["profile/step_3/rank_0.json.gz"]  # no partial file left, one window
+    names = {e.get("name") for e in json.loads(gzip.open(tmp_path / files[0]).read())["traceEvents"]}
+    assert {"test/step_2", "test/step_3"} <= names and not names & {"test/step_1", "test/step_4"}
+    assert published == [(tmp_path / files[0], "trace-step_3")]
+
+
+def test_a_window_cut_short_by_the_end_of_the_run_is_written_at_close(tmp_path):
+    profiler = profiling.Profiler(profiling.ProfileConfig(enabled=True, steps=[4, 5]), tmp_path, rank=3)
+    _run_steps(profiler, range(1, 5))  # the run ends after step 4
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.json")] == ["profile/step_4/rank_3.json"]

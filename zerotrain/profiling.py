@@ -176,9 +176,12 @@ class Profiler:
     def _write_trace(self, prof) -> None:
         """torch's on_trace_ready: called at the step that closes a window (or at stop)."""
         step = self._step
-        path = self.root / f"step_{step}" / f"rank_{self.rank}.json{'.gz' if self.cfg.gzip else ''}"
+        suffix = ".json.gz" if self.cfg.gzip else ".json"  # torch's exporter gzips a name ending in .gz
+        path = self.root / f"step_{step}" / f"rank_{self.rank}{suffix}"
         path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
+        partial = path.with_name(f"rank_{self.rank}.partial{suffix}")  # a crash mid-export leaves no rank_R.json
+        prof.export_chrome_trace(str(partial))
+        partial.replace(path)
         self.traces.append(path)
         if self.rank == 0:
             log.info("profiler trace written: %s (open it in https://ui.perfetto.dev)", path)
