@@ -3,11 +3,14 @@
 Two measurements, on one Trainer (tiny Llama, ZeRO-3 + hpZ 2 on 4 CPU processes by default):
 
 * end to end: blocks of steps with the breakdown on and off (its hooks uninstalled, a do-nothing timer in its
-  place), interleaved so that drift of a shared machine hits both alike; the median step of each;
+  place), interleaved so that drift of a shared machine hits both alike (default: one step each, 40 blocks); the
+  median step of each (wall time, and rank 0's CPU time, which other jobs on the machine disturb less), and the
+  median over neighbouring (on, off) pairs of on/off - 1. On a shared machine these move by several per cent
+  from run to run either way;
 * by count: the clock readings the breakdown makes per step (spans recorded, each two readings) times what one
   costs, measured in a tight loop: the floor under the noise of the first.
 
-    .venv/bin/python benchmarks/step_timing_cost.py [--nproc 4] [--blocks 6] [--block-steps 5] [key=value ...]
+    .venv/bin/python benchmarks/step_timing_cost.py [--nproc 4] [--blocks 40] [--block-steps 1] [key=value ...]
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ def worker(out: Path, overrides: list[str], blocks: int, block_steps: int) -> in
         dist.barrier()
         for _ in range(block_steps):
             step += 1
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             trainer._train_step(step)
-            rows.append({"on": on, "seconds": time.perf_counter() - started})
+            rows.append({"on": on, "block": block, "seconds": time.perf_counter() - started,
+                         "cpu_seconds": time.process_time() - cpu})
             if on:
                 spans_per_step.append(len(timer_on._spans))
                 timer_on.read()
@@ -80,8 +84,8 @@ def worker(out: Path, overrides: list[str], blocks: int, block_steps: int) -> in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks, on first")
-    parser.add_argument("--block-steps", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=40, help="alternating blocks, on first")
+    parser.add_argument("--block-steps", type=int, default=1)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="run config overrides (after the tiny recipe's)")
     args = parser.parse_args()
@@ -101,12 +105,20 @@ def main() -> None:
     r = json.loads(result.read_text())
     on = statistics.median(row["seconds"] for row in r["rows"] if row["on"])
     off = statistics.median(row["seconds"] for row in r["rows"] if not row["on"])
+    cpu_on = statistics.median(row["cpu_seconds"] for row in r["rows"] if row["on"])
+    cpu_off = statistics.median(row["cpu_seconds"] for row in r["rows"] if not row["on"])
+    block_mean = {b: statistics.mean(row["seconds"] for row in r["rows"] if row["block"] == b)
+                  for b in range(args.blocks)}
+    paired = statistics.median(block_mean[b] / block_mean[b + 1] - 1 for b in range(0, args.blocks - 1, 2))
     spans = statistics.mean(r["spans_per_step"])
     by_count = spans * r["span_cost_s"] / off
     print(f"tiny_llama, {args.nproc} CPU ranks, {args.blocks} alternating blocks of {args.block_steps} steps\n")
     print("| measure | breakdown on | breakdown off | cost |")
     print("|---|---|---|---|")
     print(f"| median step, end to end | {on * 1e3:.1f} ms | {off * 1e3:.1f} ms | {100 * (on / off - 1):+.2f}% |")
+    print(f"| median CPU time of rank 0's process | {cpu_on * 1e3:.1f} ms | {cpu_off * 1e3:.1f} ms | "
+          f"{100 * (cpu_on / cpu_off - 1):+.2f}% |")
+    print(f"| median of {args.blocks // 2} neighbouring (on, off) pairs | | | {100 * paired:+.2f}% |")
     print(f"| by count: {spans:.0f} spans/step x {r['span_cost_s'] * 1e6:.2f} us | | | {100 * by_count:.4f}% |")
 
 

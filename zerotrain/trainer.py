@@ -7,7 +7,9 @@ file only wires them together, handing each component its own section of the con
 
 Code outside the loop (tests, benchmarks, profilers) observes every step through :class:`StepCallback` objects
 passed to the trainer (``Trainer(cfg, callbacks=[...])``), on every rank, right before and right after each
-optimizer step.
+optimizer step. The loop itself times each step's forward, backward and optimizer phases
+(:mod:`zerotrain.step_timing`: the ``time/*_share`` of every line) and, when the ``profile`` section asks, calls
+:class:`zerotrain.profiling.Profiler` right before and after each step.
 
 No host wait of ours between logged lines: a step's loss sum, non-finite count and token-less flag stay on the
 device, and the steps since the last line are reduced over ranks (one all-gather, one ``.tolist()``) at the next
