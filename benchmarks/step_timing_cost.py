@@ -44,7 +44,7 @@ def span_cost_s(n: int = 20000) -> float:
     return (time.perf_counter() - started) / (n + 1)
 
 
-def worker(out: Path, overrides: list[str], blocks: int, block_steps: int) -> int:
+def worker(out: Path, overrides: list[str], blocks: int, block_steps: int, off_first: bool) -> int:
     import torch.distributed as dist
 
     from zerotrain import step_timing
@@ -59,7 +59,7 @@ def worker(out: Path, overrides: list[str], blocks: int, block_steps: int) -> in
         trainer._train_step(step)
     spans_per_step = []
     for block in range(blocks):
-        on = block % 2 == 0
+        on = block % 2 == (1 if off_first else 0)
         if on:
             step_timing.install(timer_on)
             trainer.step_times = timer_on
@@ -86,11 +86,12 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=40, help="alternating blocks, on first")
     parser.add_argument("--block-steps", type=int, default=1)
+    parser.add_argument("--off-first", action="store_true", help="start with an 'off' block (order bias check)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="run config overrides (after the tiny recipe's)")
     args = parser.parse_args()
     if args.worker:
-        sys.exit(worker(Path(args.worker), args.overrides, args.blocks, args.block_steps))
+        sys.exit(worker(Path(args.worker), args.overrides, args.blocks, args.block_steps, args.off_first))
 
     work = Path(tempfile.mkdtemp(prefix="zerotrain-bench-"))
     data = work / "data"
@@ -98,7 +99,8 @@ def main() -> None:
                   "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"], timeout=TIMEOUT_S)
     result = work / "result.json"
     launcher.torchrun(args.nproc, "benchmarks/step_timing_cost.py", f"--worker={result}", f"--blocks={args.blocks}",
-                      f"--block-steps={args.block_steps}", "recipe=tiny_llama", "train.steps=1000",
+                      f"--block-steps={args.block_steps}", *(["--off-first"] if args.off_first else []),
+                      "recipe=tiny_llama", "train.steps=1000",
                       "wandb.enabled=false", "checkpoint.interval=0", "checkpoint.save_final=false",
                       "train.eval_interval=0", f"run.output_dir={work}", "run.name=bench", f"data.train.0.path={data}",
                       *args.overrides, timeout=TIMEOUT_S)
@@ -109,7 +111,9 @@ def main() -> None:
     cpu_off = statistics.median(row["cpu_seconds"] for row in r["rows"] if not row["on"])
     block_mean = {b: statistics.mean(row["seconds"] for row in r["rows"] if row["block"] == b)
                   for b in range(args.blocks)}
-    paired = statistics.median(block_mean[b] / block_mean[b + 1] - 1 for b in range(0, args.blocks - 1, 2))
+    on_blocks = [b for b in range(args.blocks) if any(row["block"] == b and row["on"] for row in r["rows"])]
+    paired = statistics.median(block_mean[b] / block_mean[b + 1] - 1 if b + 1 in block_mean else
+                               block_mean[b] / block_mean[b - 1] - 1 for b in on_blocks)
     spans = statistics.mean(r["spans_per_step"])
     by_count = spans * r["span_cost_s"] / off
     print(f"tiny_llama, {args.nproc} CPU ranks, {args.blocks} alternating blocks of {args.block_steps} steps\n")
