@@ -30,16 +30,19 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 MMLU_HOOK = ["mmlu.enabled=true", "mmlu.interval=8", "mmlu.limit_per_subject=3", "mmlu.shots=2",
              "mmlu.subjects=[astronomy,marketing,world_religions]", "mmlu.batch_size=4"]
+# Steps 3 and 4 traced by torch.profiler (one window, saved at step 4), rank 0's trace logged to W&B.
+PROFILE = ["profile.enabled=true", "profile.steps=[3,4]", "profile.wandb_artifact=true"]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, shakespeare):
-    """Tiny Llama, 4 ranks, hpZ 2, 16 steps in one go with the MMLU hook every 8 steps, exported to Hugging Face,
-    engine logits probed."""
+    """Tiny Llama, 4 ranks, hpZ 2, 16 steps in one go with the MMLU hook every 8 steps and steps 3-4 profiled,
+    exported to Hugging Face, engine logits probed."""
     out = tmp_path_factory.mktemp("runs")
     probe = out / "probe.pt"
-    torchrun(4, "tests/workers/train_and_probe.py", str(probe), *COMMON, *MMLU_HOOK, f"run.output_dir={out}",
-             "run.name=full", f"data.train.0.path={shakespeare}", "checkpoint.export_hf=true", timeout=900)
+    torchrun(4, "tests/workers/train_and_probe.py", str(probe), *COMMON, *MMLU_HOOK, *PROFILE,
+             f"run.output_dir={out}", "run.name=full", f"data.train.0.path={shakespeare}", "checkpoint.export_hf=true",
+             timeout=900)
     return out / "full", probe
 
 
@@ -82,6 +85,39 @@ def test_tiny_llama_loss_falls_on_4_processes_under_zero3_hpz(uninterrupted):
     assert train[-1]["tokens"] == STEPS * 4 * 128 * 4  # steps x micro-batch x seq_len x ranks
     assert train[-1]["hpz/shards_read"] > 0 and train[-1]["hpz/host_syncs"] == 0  # hpZ really ran, ordered mode
     assert [r["step"] for r in records if "val/loss" in r] == [8, 16]
+
+
+def test_every_line_says_where_the_step_time_went(uninterrupted, resumed):
+    for run_dir in (uninterrupted[0], resumed[0]):
+        train = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        for r in train:
+            shares = {k: r[k] for k in ("time/forward_share", "time/backward_share", "time/optimizer_share",
+                                        "time/comm_wait_share")}
+            assert all(0 <= v <= 1 for v in shares.values()) and sum(shares.values()) <= 1 + 1e-6, (r["step"], shares)
+            assert shares["time/forward_share"] > 0 and shares["time/backward_share"] > 0, (r["step"], shares)
+        # 4 gloo ranks on one host: ZeRO-3's all-gathers and reduce-scatters block each step for a while.
+        assert sum(r["time/comm_wait_share"] for r in train) / len(train) > 0.01, [r["time/comm_wait_share"]
+                                                                                 for r in train]
+
+
+def test_profiled_steps_leave_one_trace_per_rank_with_the_zero3_gathers_and_hpz_shard_copies(uninterrupted,
+                                                                                                resumed):
+    run_dir = uninterrupted[0]
+    traces = sorted((run_dir / "profile").rglob("*.json"))
+    assert [p.relative_to(run_dir / "profile").as_posix() for p in traces] == [
+        f"step_4/rank_{r}.json" for r in range(4)]
+    for path in traces:
+        events = json.loads(path.read_text())["traceEvents"]
+        names = {e.get("name") for e in events}
+        assert "c10d::_allgather_base_" in names and "gloo:all_gather" in names, path  # ZeRO-3's parameter gathers
+        assert "c10d::_reduce_scatter_base_" in names, path  # its gradient reduce-scatter
+        assert "zerotrain/hpz/shard_copy" in names, path  # hpZ's secondary shards, rebuilt after each step
+        steps = [e for e in events if e.get("name") in ("zerotrain/forward", "zerotrain/backward")]
+        assert len(steps) == 2 * 2, path  # two traced steps, one micro-batch each
+    wandb_records = b"".join(p.read_bytes() for p in (run_dir / "wandb").glob("offline-run-*/*.wandb"))
+    assert b"trace-step_4" in wandb_records and b"rank_0.json" in wandb_records  # rank 0's trace as an artifact
+    # The control: the resumed run, profile section left off, writes nothing there.
+    assert not (resumed[0] / "profile").exists()
 
 
 def test_step_callbacks_see_every_step_once_in_order_with_the_logged_loss(uninterrupted):

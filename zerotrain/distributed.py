@@ -79,6 +79,12 @@ class ClusterConfig:
     stopped (SIGSTOP, a debugger), hangs in its own code or lost its node. Default torch's 30 minutes: a checkpoint
     save on a slow shared file system holds the other ranks in a barrier for many minutes without anything being
     wrong, so set it above the longest save. Under NCCL torch's watchdog enforces it (and aborts the process)."""
+    nccl_flight_recorder: int = bounded(0, ge=0, le=1_000_000)
+    """NCCL's flight recorder, for hangs: the last this many collectives of every process group kept per rank
+    (TORCH_NCCL_TRACE_BUFFER_SIZE) and dumped when the watchdog times out a collective (TORCH_NCCL_DUMP_ON_TIMEOUT)
+    to <run dir>/nccl_flight_recorder/rank_R; `python -m torch.distributed.flight_recorder.fr_trace <that dir>`
+    says which collective which rank did not reach. 0: off. A few thousand is plenty; variables already set in the
+    job's environment win."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,29 @@ def apply_environment(env: Mapping[str, str]) -> None:
     """Cluster-profile variables; an explicit variable in the job's environment wins over the profile."""
     for key, value in env.items():
         os.environ.setdefault(str(key), str(value))
+
+
+FLIGHT_RECORDER_DIR = "nccl_flight_recorder"
+
+
+def flight_recorder_env(entries: int, run_dir: Path) -> dict[str, str]:
+    """The environment that turns NCCL's flight recorder on (``cluster.nccl_flight_recorder`` entries; {} for 0):
+    torch reads it when an NCCL process group is created, and appends the rank to the dump file's prefix."""
+    if entries <= 0:
+        return {}
+    prefix = str(run_dir.resolve() / FLIGHT_RECORDER_DIR / "rank_")
+    # torch 2.13 reads the TORCH_FR_* names first and the older TORCH_NCCL_* ones as their fallback: both are set.
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries), "TORCH_FR_BUFFER_SIZE": str(entries),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+
+
+def enable_flight_recorder(entries: int, run_dir: Path) -> None:
+    """Before the process group exists: the flight recorder's environment, and the directory its dumps go to."""
+    env = flight_recorder_env(entries, run_dir)
+    if env:
+        (run_dir / FLIGHT_RECORDER_DIR).mkdir(parents=True, exist_ok=True)
+        apply_environment(env)
 
 
 def init(init_timeout_s: float = 300.0, collective_timeout_s: float = 1800.0) -> DistInfo:

@@ -80,6 +80,9 @@ def format_line(step: int, total: int, m: dict[str, Any]) -> str:
         parts.append(f"{m['tflops_per_device']:.3g} TFLOP/s/dev")
     if m.get("mfu") is not None:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "time/forward_share" in m:  # zerotrain.step_timing: where the step's time went
+        parts.append("fwd {:.0%} bwd {:.0%} opt {:.0%} comm {:.0%}".format(
+            *(m[f"time/{p}_share"] for p in ("forward", "backward", "optimizer", "comm_wait"))))
     if "hpz/races" in m:  # hpz.emulate_async: racy shard accesses in the window, all ranks
         parts.append(f"races {m['hpz/races'] + m['hpz/freed_source_races']}")
     mem = m.get("mem/device_max_allocated_gib", m.get("mem/host_rss_gib"))
@@ -161,6 +164,13 @@ class WandbMetrics:
     def write(self, record: dict[str, Any]) -> None:
         self.run.log({WANDB_STEP_KEY: record["step"], **{k: v for k, v in record.items() if k != "step"}})
 
+    def log_artifact(self, path: Path, name: str, kind: str) -> None:
+        import wandb
+
+        artifact = wandb.Artifact(f"{self.run.id}-{name}", type=kind)
+        artifact.add_file(str(path))
+        self.run.log_artifact(artifact)
+
     def close(self) -> None:
         self.run.finish()
 
@@ -210,6 +220,13 @@ class MetricsLogger:
         self.jsonl.write(record)
         if self.wandb and record["step"] > self.wandb_logged_step:
             self.wandb.write(record)
+
+    def log_artifact(self, path: Path, name: str, kind: str = "profile") -> None:
+        """A file (e.g. a profiler trace) as a W&B artifact of this run, named ``<run id>-<name>`` (rank 0, W&B on;
+        nothing otherwise)."""
+        if self.wandb:
+            self.wandb.log_artifact(path, name, kind)
+            log.info("W&B artifact %s-%s (%s): %s", self.wandb.run_id, name, kind, path)
 
     def close(self) -> None:
         if self.wandb:

@@ -23,6 +23,7 @@ key             section                                                 used by
 ``mmlu``        :class:`zerotrain.evaluation.training_hook.MMLUConfig`  MMLU during training
 ``comm``        :class:`zerotrain.comm_accounting.CommConfig`           communication accounting
 ``cluster``     :class:`zerotrain.distributed.ClusterConfig`            process-group environment, MFU's peak
+``profile``     :class:`zerotrain.profiling.ProfileConfig`              profiler traces, CUDA memory snapshots
 ==============  ======================================================  ===============================================
 """
 
@@ -49,6 +50,7 @@ from zerotrain.fields import bounded
 from zerotrain.hpz.config import HpzConfig
 from zerotrain.loggers import WandbConfig
 from zerotrain.models import ModelConfig, validate_model
+from zerotrain.profiling import ProfileConfig
 from zerotrain.schedule import ScheduleConfig
 
 RECIPE_KEY = "run.recipe"
@@ -159,6 +161,7 @@ class Config:
     mmlu: MMLUConfig = field(default_factory=MMLUConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def validate(cfg: Config) -> None:

@@ -8,7 +8,9 @@ own section of the config.
 
 Code outside the loop (tests, benchmarks, profilers) observes every step through :class:`StepCallback` objects
 passed to the trainer (``Trainer(cfg, callbacks=[...])``), on every rank, right before and right after each
-optimizer step.
+optimizer step. The loop itself times each step's forward, backward and optimizer phases
+(:mod:`zerotrain.step_timing`: the ``time/*_share`` of every line) and, when the ``profile`` section asks, calls
+:class:`zerotrain.profiling.Profiler` right before and after each step.
 
 No host wait of ours between logged lines: a step's loss sum, non-finite count and token-less flag stay on the
 device, and the steps since the last line are reduced over ranks (one all-gather, one ``.tolist()``) at the next
@@ -40,7 +42,9 @@ from zerotrain import (
     loss_reduction,
     metrics,
     models,
+    profiling,
     run_tokenizer,
+    step_timing,
 )
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
@@ -126,6 +130,7 @@ class Trainer:
         self.cfg = cfg
         self.callbacks = list(callbacks)
         distributed.apply_environment(cfg.cluster.env)
+        distributed.enable_flight_recorder(cfg.cluster.nccl_flight_recorder, Path(cfg.run.output_dir) / cfg.run.name)
         # Before any set-up: a DeepSpeed op that cannot be built fails now, not after the model is built.
         self.optimizer_impl = engine_lib.resolve_impl(cfg.optim, cfg.zero, cfg.deepspeed)
         engine_lib.check_optimizer_available(self.optimizer_impl)
@@ -213,6 +218,12 @@ class Trainer:
 
             comm_accounting.install(self.layout)
             self.metric_sources.append(comm_accounting.interval_metrics)
+        self.step_times = step_timing.StepTimes(self.device)  # the time/*_share breakdown of every logged line
+        step_timing.install(self.step_times)
+        self.metric_sources.append(lambda _steps: self.step_times.read())  # forward, backward, optimizer, comm wait
+        self.profiler = (profiling.Profiler(cfg.profile, self.run_dir, self.dist.rank,
+                                            publish=self.logger.log_artifact)
+                         if cfg.profile.active_any else None)
 
     # ----------------------------------------------------------------------------------------------------------
     # Set-up helpers
@@ -320,7 +331,11 @@ class Trainer:
                 step = self.state.step + 1
                 for callback in self.callbacks:
                     callback.on_step_begin(self, step)
+                if self.profiler is not None:
+                    self.profiler.begin(step)
                 pending = self._train_step(step)
+                if self.profiler is not None:
+                    self.profiler.end(step)
                 self._pending.append(pending)
                 self.state.step = step
                 self.state.tokens += self.tokens_per_step
@@ -349,6 +364,8 @@ class Trainer:
                     self._export()
             return EXIT_OK
         finally:
+            if self.profiler is not None:
+                self.profiler.close()
             if self.emulation is not None:
                 self.emulation.finish(self.run_dir, self.dist.rank, self.dist.world_size)
             self.logger.close()
@@ -363,21 +380,27 @@ class Trainer:
         rank's device (no host sync): :meth:`_reduce_pending` reduces them over ranks at the next log step."""
         lr = self.engine.get_lr()[0]
         started = time.perf_counter()
-        total = torch.zeros(3, dtype=torch.float32, device=self.device)
-        # The step's micro-batches first: under token reduction every forward needs the step's global token count.
-        micro_batches = [{k: v.to(self.device) for k, v in next(self.train_loader).items()}
-                         for _ in range(self.cfg.train.grad_accum)]
-        extra = {}
-        if self.cfg.train.loss_reduction == LossReduction.token:
-            extra["num_items_in_batch"], total[2] = loss_reduction.num_items_in_batch(
-                micro_batches, self.dp_size, self.device)
-        for batch in micro_batches:
-            loss = self.engine(**batch, **extra).loss
-            self.engine.backward(loss)
-            self.engine.step()
-            value = loss.detach().float()
-            total[0] += value
-            total[1] += (~torch.isfinite(value)).float()
+        times = self.step_times
+        with times.step():
+            total = torch.zeros(3, dtype=torch.float32, device=self.device)
+            # The step's micro-batches first: under token reduction every forward needs the step's global token
+            # count.
+            micro_batches = [{k: v.to(self.device) for k, v in next(self.train_loader).items()}
+                             for _ in range(self.cfg.train.grad_accum)]
+            extra = {}
+            if self.cfg.train.loss_reduction == LossReduction.token:
+                extra["num_items_in_batch"], total[2] = loss_reduction.num_items_in_batch(
+                    micro_batches, self.dp_size, self.device)
+            for batch in micro_batches:
+                with times.phase("forward"):
+                    loss = self.engine(**batch, **extra).loss
+                with times.phase("backward"):
+                    self.engine.backward(loss)
+                with times.phase("optimizer"):
+                    self.engine.step()
+                value = loss.detach().float()
+                total[0] += value
+                total[1] += (~torch.isfinite(value)).float()
         return _PendingStep(step, total, lr, time.perf_counter() - started)
 
     def _reduce_pending(self) -> None:

@@ -42,6 +42,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus, ZeroParamStatus
 
 from zerotrain.errors import ZerotrainError
+from zerotrain.profiling import trace_range
 
 from . import counting
 from .config import HpzMode
@@ -122,7 +123,7 @@ def build_secondary_shard(init: Any, param: torch.nn.Parameter, has_been_updated
     start = shard_numel * init.rank_in_group
     # ds_numel is unpadded: the last slice may be short or empty.
     valid = max(0, min(param.ds_numel - start, shard_numel))
-    with torch.no_grad():
+    with torch.no_grad(), trace_range("zerotrain/hpz/shard_copy"):
         shard.zero_()  # padding must be deterministic (coalesced gathers/quantisers see it)
         if valid > 0:
             shard.narrow(0, 0, valid).copy_(param.contiguous().view(-1).narrow(0, start, valid))
@@ -176,7 +177,7 @@ def _build_legacy(init: Any, param: torch.nn.Parameter) -> None:
     start = primary * init.rank
     copied = 0
     flat = param.contiguous().view(-1)
-    with torch.no_grad():
+    with torch.no_grad(), trace_range("zerotrain/hpz/shard_copy"):
         if start < numel and start + primary <= numel:
             if sec_start + shard_numel <= numel:
                 copied = shard_numel
