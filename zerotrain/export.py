@@ -26,7 +26,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from zerotrain import checkpoint, run_tokenizer
-from zerotrain.durable import staged_directory
+from zerotrain.durable import default_modes, staged_directory
 from zerotrain.errors import ZerotrainError
 from zerotrain.models import MODEL_CLASSES, ModelConfig, hf_config, torch_dtype
 
@@ -56,6 +56,7 @@ def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
     saved = yaml.safe_load(meta["config"])
     # Before the slow merge of the shards: a tokenizer that cannot be found fails at once, with nothing written.
     tokenizer = run_tokenizer.load(tag_dir.resolve().parent.parent, saved)  # <run dir>/checkpoints/<tag>
+    run_tokenizer.check_export(tokenizer, tag_dir, meta)  # the tokenizer the checkpoint was trained with, or none
     model_cfg: ModelConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"]))
     precision = saved["train"]["precision"]
     state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
@@ -74,6 +75,7 @@ def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
     with staged_directory(out_dir) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        default_modes(staging)  # readable by whoever may read the run's other files (the umask decides)
     return out_dir
 
 
