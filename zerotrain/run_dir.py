@@ -8,7 +8,8 @@ exists, so a relaunch that cannot work (or has nothing to do) leaves the run dir
 * a relaunch with keys changed that a resume cannot honour (the model's shape, the optimizer, the data, ...) is
   refused, naming them; the keys in :data:`MAY_CHANGE_ON_RESUME` may change (:func:`check_resumable`);
 * a run whose latest checkpoint is at ``train.steps`` (or beyond) is finished: it says so and nothing is rewritten;
-* a run with a checkpoint resumes only on a data set with its tokenizer (:func:`zerotrain.run_tokenizer.check_relaunch`).
+* a run with a checkpoint resumes only on a data set with its tokenizer
+  (:func:`zerotrain.run_tokenizer.check_relaunch`).
 
 The trainer checks the rest (shard and tokenizer checksums, the checkpoint's CRC32s) before it writes
 ``config.yaml``, ``deepspeed_config.json`` and ``tokenizer/``: nothing in the run directory is created or changed by

@@ -87,7 +87,8 @@ def sweep_with_fake_sbatch(tmp_path: Path, *args: str) -> tuple[subprocess.Compl
     recorder.write_text(f'#!/bin/bash\n"{sys.executable}" -c \'import json, sys; print(json.dumps(sys.argv[1:]))\''
                         f' "$@" >> "{calls}"\necho 4242\n')
     recorder.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    # The interpreter running the tests checks (the checkout's .venv is the default, absent from a worktree).
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ZEROTRAIN_PYTHON": sys.executable}
     result = subprocess.run(["bash", str(SWEEP), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                             check=False, timeout=300)
     submitted = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []

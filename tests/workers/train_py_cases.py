@@ -4,8 +4,9 @@
 Each case is ``{"name", "cwd", "argv"}``; it runs in its ``cwd`` with file descriptors 1 and 2 sent to
 ``<out dir>/<name>.log`` (everything the launch prints, Python's and DeepSpeed's), and ``<out dir>/results.json``
 gets ``{name: exit code}``. Between cases the environment is restored; the process group of the first case that
-made one stays (the trainer reuses it, as in tests/workers/train_variants.py). An exception that escapes ``main`` (which train.py would show as a traceback) is printed
-to that log with its traceback and counted as exit 1, as Python would exit.
+made one stays (the trainer reuses it, as in tests/workers/train_variants.py). An exception that escapes ``main``
+(which train.py would show as a traceback) is printed to that log with its traceback and counted as exit 1, as
+Python would exit.
 Usage: python tests/workers/train_py_cases.py <cases.json> <out dir>
 """
 
