@@ -4,7 +4,8 @@ Works offline, on one process, from the checkpoint files alone: DeepSpeed's ``ze
 fp32 ZeRO partitions into one state dict on the CPU (no process group, no GPU), which is loaded into the model
 built from the run's saved config and written with ``save_pretrained``, next to the tokenizer the run was trained
 with (its copy in ``<run dir>/tokenizer``, see :mod:`zerotrain.run_tokenizer`), so it works from any directory and
-after the data set has moved. The result loads with ``AutoModelForCausalLM.from_pretrained`` and
+after the data set has moved; a copy whose sha256 is not the one the checkpoint recorded is refused. Files get the
+mode the umask gives, as the run's other files do. The result loads with ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` (a fast tokenizer giving the training ids). It is written to ``.<out>.partial``
 and renamed to ``<out>`` when complete: an interrupted export leaves no half-written ``<out>``, and an older export
 there is replaced only by a complete one. The in-training export (``checkpoint.export_hf``) and evaluation/mmlu.py's
