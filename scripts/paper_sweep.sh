@@ -19,7 +19,7 @@
 #   --group NAME   the W&B group and run-name prefix (default paper-<model>-<date-time>). Reusing a group resumes
 #                  its runs (same run directories) instead of starting new ones.
 #   --variants     a subset of zero3,hpz-legacy,hpz-sync,hpz-ordered (default: all four), or hpz-stock
-#   --dry-run      print the sbatch commands (one shell-quoted line each) and submit nothing
+#   --dry-run      print the sbatch commands (one shell-quoted line each) and submit nothing (after the check)
 #   --no-check     skip the pre-flight check (config, checkpoint and data directories, from this machine)
 # Afterwards: python -m tools.compare --group <group> --project zerotrain-paper --baseline hpz-legacy
 set -euo pipefail

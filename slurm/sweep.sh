@@ -6,7 +6,8 @@
 #
 #   slurm/sweep.sh --nodes=4 --gpus-per-node=8 --ntasks-per-node=8 --time=4:00:00 -- llama2_7b_pretrain train.steps=500
 #
-#   --dry-run    print the sbatch commands, one shell-quoted line each (paste one to submit it), submit nothing
+#   --dry-run    print the sbatch commands, one shell-quoted line each (paste one to submit it), submit nothing;
+#                after the same pre-flight check as a submission, so a printed command would be submitted
 #   --no-check   skip the pre-flight check (every variant's config composes, its data and model directories exist,
 #                as seen from this machine; skip it when only the compute nodes see them)
 #
@@ -35,7 +36,7 @@ declare -A VARIANTS=(
 )
 ORDER=(zero3 hpz-stock hpz-sync hpz-ordered)
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "sweep.sh: $*" >&2; exit 2; }
 
 GROUP=""
@@ -121,7 +122,7 @@ EOF
   )
 }
 
-if [ "$CHECK" = 1 ] && [ "$DRY_RUN" = 0 ]; then
+if [ "$CHECK" = 1 ]; then  # a dry run too: it shows what would be submitted, and a bad key is not submitted
   preflight || die "nothing submitted"
 fi
 [ "$DRY_RUN" = 1 ] || mkdir -p logs  # sbatch cannot create the log directory; without it the job would fail silently

@@ -117,6 +117,11 @@ def test_overrides_reach_the_config_with_their_types():
         ("train.seq_len=100000", "exceeds model.max_seq_len"),
         ("model.initializer_range=2.0", "initializer_range"),
         ("model.num_kv_heads=3", "not divisible by model.num_kv_heads=3"),
+        # Unbalanced YAML: YAML's own error (a traceback, exit 1) without the catch in _apply_override.
+        ("optim.betas=[0.9", "override 'optim.betas=[0.9': the value '[0.9' of 'optim.betas' is not valid YAML "
+                             "(expected ',' or ']', but got '<stream end>'); quote a string"),
+        ("zero.reduce_bucket_size={a: [1", "override 'zero.reduce_bucket_size={a: [1': the value '{a: [1' of "
+                                           "'zero.reduce_bucket_size' is not valid YAML"),
     ],
 )
 def test_bad_overrides_are_named_with_a_suggestion(override, expected):

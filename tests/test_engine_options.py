@@ -101,6 +101,21 @@ def test_a_misspelt_deepspeed_key_fails_at_compose_time():
         compose("deepspeed.wall_clock_breakdwon=true")
 
 
+def test_nested_deepspeed_keys_need_no_yaml_block_and_are_still_checked_by_deepspeed():
+    cfg = compose("deepspeed.flops_profiler.enabled=true", "deepspeed.flops_profiler.profile_step=2")
+    built = engine.deepspeed_config(cfg.zero, micro_batch_size=4, grad_accum=1, grad_clip=1.0, precision="fp32",
+                                    seed=1, dp_size=1, hpz_size=1, extra=cfg.deepspeed)
+    assert built["flops_profiler"] == {"enabled": True, "profile_step": 2}  # what deepspeed.initialize gets
+    # A bad nested key is refused as a YAML block's would be: the read recorder sees DeepSpeed's parser skip it.
+    with pytest.raises(ConfigError, match=r"unknown key 'deepspeed\.flops_profiler\.enabld'\. Did you mean 'enabled'"):
+        compose("deepspeed.flops_profiler.enabld=true")
+    with pytest.raises(ConfigError, match=r"deepspeed\.flops_profiler: rejected by DeepSpeed's config parser"):
+        compose("deepspeed.flops_profiler=3")
+    # Schema sections still take no new keys, however deep.
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.adam\.beta1'"):
+        compose("optim.adam.beta1=0.9")
+
+
 # ------------------------------------------------------------------- one launch pair: optimizer offload
 
 

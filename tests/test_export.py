@@ -7,8 +7,10 @@ data set given by a relative path; the data set is then moved away. Each test ex
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import stat
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,21 @@ def test_interrupted_export_keeps_the_older_export_and_leaves_no_partial_directo
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
     assert _files(target)["model.safetensors"] != older["model.safetensors"]
     _assert_loads_with_the_training_tokenizer(target, data)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_have_the_mode_the_umask_gives_like_the_runs_other_files(moved_run, tmp_path, umask):
+    from safetensors.torch import save_file
+
+    from zerotrain.export import main
+
+    run_dir, _ = moved_run
+    previous = os.umask(umask)
+    try:
+        save_file({"w": torch.zeros(2)}, tmp_path / "plain.safetensors")  # the control: safetensors alone
+        assert main([str(run_dir), str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "plain.safetensors").stat().st_mode) == 0o600
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes

@@ -155,6 +155,28 @@ def staged_directory(target: Path) -> Iterator[Path]:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and put back at once
+    os.umask(mask)
+    return mask
+
+
+def default_modes(root: Path) -> None:
+    """Give every file under ``root`` the mode a plain ``open()`` would (0666 less the umask), as the run's other
+    files have: some writers create theirs private (safetensors 0.8 writes ``model.safetensors`` 0600)."""
+    mode = 0o666 & ~current_umask()
+    for path in Path(root).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def is_out_of_space(error: BaseException, directory: Path) -> bool:
     """Whether a failed write ran out of space. Not every writer says ENOSPC: PyTorch's stream writer raises
     ``RuntimeError('... basic_ios::clear: iostream error')`` or ``'unexpected pos 128 vs 0'``; the disk says it."""

@@ -7,7 +7,13 @@ exists, so a relaunch that cannot work (or has nothing to do) leaves the run dir
 * the output directory must be a writable directory, or creatable under one (:func:`check_writable`);
 * a relaunch with keys changed that a resume cannot honour (the model's shape, the optimizer, the data, ...) is
   refused, naming them; the keys in :data:`MAY_CHANGE_ON_RESUME` may change (:func:`check_resumable`);
-* a run whose latest checkpoint is at ``train.steps`` (or beyond) is finished: it says so and nothing is rewritten.
+* a run whose latest checkpoint is at ``train.steps`` (or beyond) is finished: it says so and nothing is rewritten;
+* a run with a checkpoint resumes only on a data set with its tokenizer
+  (:func:`zerotrain.run_tokenizer.check_relaunch`).
+
+The trainer checks the rest (shard and tokenizer checksums, the checkpoint's CRC32s) before it writes
+``config.yaml``, ``deepspeed_config.json`` and ``tokenizer/``: nothing in the run directory is created or changed by
+a launch that fails a check.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any, Optional
 
 import yaml
 
-from zerotrain import checkpoint, config, run_config
+from zerotrain import checkpoint, config, run_config, run_tokenizer
 from zerotrain.errors import CheckpointError, ConfigError, StorageError
 
 # Keys (or whole sections) a resumed run may change: how long it runs, what it logs, evaluates and keeps, where it
@@ -118,6 +124,7 @@ def preflight(cfg: Any) -> Optional[str]:
     if meta.get("config"):
         check_resumable(cfg, tag_dir, meta["config"], meta.get("world_size"))
     if meta["step"] < cfg.train.steps:
+        run_tokenizer.check_relaunch(cfg.data.train[0].path, run_dir, latest)
         return None
     return (f"run {run_dir} is finished: its latest checkpoint {tag_dir} is at step {meta['step']} "
             f"(train.steps={cfg.train.steps}). Nothing was written; raise train.steps to train further, or choose "

@@ -149,23 +149,21 @@ class Trainer:
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.ckpt_root = self.run_dir / "checkpoints"
         train = cfg.train
+        # Opening the data checks shard checksums and that the tokenizer fits model.vocab_size.
+        self.train_loader = self._train_loader()
+        validation = self._validation() if train.eval_interval else None
         self.ds_config = engine_lib.deepspeed_config(
             cfg.zero, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
             grad_clip=train.grad_clip, precision=train.precision, seed=cfg.run.seed, dp_size=self.dp_size,
             hpz_size=self.layout.hpz_size, extra=cfg.deepspeed)
         # Options hpZ is refused with (docs/hpz.md's option matrix): exit 2 before anything is written or built.
         hpz_options.check(self.ds_config, get_accelerator().device_name())
-        # Before anything is written or built: a checkpoint of another world size resumes from its universal copy
-        # (made here if needed), which DeepSpeed reads only when its config says so at initialize.
+        # A checkpoint of another world size resumes from its universal copy (made here if needed, from a verified
+        # checkpoint), which DeepSpeed reads only when its config says so at initialize.
         self.resume_plan = checkpoint.plan_resume(cfg.checkpoint, self.ckpt_root, self.dist.rank,
                                                   self.dist.world_size, train.micro_batch_size, train.grad_accum)
         self.ds_config.update(self.resume_plan.deepspeed_config)
-        self._write_run_files()
         distributed.seed_everything(cfg.run.seed)
-
-        # Opening the data checks shard checksums and that the tokenizer fits model.vocab_size.
-        self.train_loader = self._train_loader()
-        validation = self._validation() if train.eval_interval else None
 
         self.hpz_active = self.layout.hpz_size > 1
         from zerotrain import hpz
@@ -195,6 +193,10 @@ class Trainer:
 
         self.state = checkpoint.TrainState()
         resumed = self._maybe_resume()
+        # Every check has passed (config, data and tokenizer checksums, checkpoint CRC32s, memory plan): only now is
+        # the run directory created or changed, so a launch that fails leaves it as it was.
+        self._write_run_files(replace_tokenizer=not resumed)
+        self.state.extra[run_tokenizer.STATE_KEY] = run_tokenizer.state_record(cfg.data.train[0].path)
         # The steps since the last logged line: saved with a checkpoint, so a resumed run's next line averages the
         # same steps as an uninterrupted run's would.
         self.window = [StepResult(**r) for r in self.state.extra.get(LOG_WINDOW, [])]
@@ -281,18 +283,23 @@ class Trainer:
         # The tokenizer the training data was made with (a Hugging Face re-export may split whitespace differently).
         return MMLUHook(self.cfg.mmlu, self.cfg.data.train[0].path, self.cfg.model.max_seq_len, self.cfg.train.steps)
 
-    def _write_run_files(self) -> None:
+    def _write_run_files(self, replace_tokenizer: bool) -> None:
         error: ZerotrainError | None = None
         if self.dist.is_main:
             try:
-                self._write_run_files_rank0()
+                self._write_run_files_rank0(replace_tokenizer)
             except ZerotrainError as e:  # e.g. a full disk: every rank must stop, not wait for rank 0
                 error = e
         if not distributed.all_agree(error is None):
             raise error or StorageError(f"rank 0 could not write the run directory {self.run_dir} (see its message)")
 
-    def _write_run_files_rank0(self) -> None:
+    def _write_run_files_rank0(self, replace_tokenizer: bool) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # The tokenizer first (exports use it, from anywhere): a resumed run whose copy is another tokenizer stops here.
+        try:
+            run_tokenizer.save_copy(self.cfg.data.train[0].path, self.run_dir, replace=replace_tokenizer)
+        except OSError as e:
+            raise durable.write_error(e, self.run_dir / run_tokenizer.RUN_TOKENIZER_DIR) from None
         text = config.to_yaml(self.cfg)
         log.info("resolved config (saved to %s):\n%s", self.run_dir / "config.yaml", text)
         config.save(self.cfg, self.run_dir / "config.yaml")
@@ -301,7 +308,6 @@ class Trainer:
             durable.atomic_write_text(ds_config, json.dumps(self.ds_config, indent=2))
         except OSError as e:
             raise durable.write_error(e, ds_config) from None
-        run_tokenizer.save_copy(self.cfg.data.train[0].path, self.run_dir)  # exports use it, from anywhere
         log.info("world: %d ranks on %d node(s), hpZ size %d (%s)", self.dist.world_size,
                  self.layout.num_nodes, self.layout.hpz_size,
                  self.cfg.hpz.mode if self.layout.hpz_size > 1 else "off")

@@ -116,3 +116,28 @@ def test_output_on_a_read_only_file_system_is_refused_clearly(tmp_path, read_onl
     result = _prepare(tmp_path, "ro/prepared")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "output=ro/prepared: cannot write in ro (read-only file system)" in result.stderr
+
+
+@pytest.mark.parametrize("content", ["", '{"text": "  "}\n{"text": ""}\n'], ids=["empty", "blank"])
+def test_no_text_to_train_the_tokenizer_on_is_our_error_naming_the_input(tmp_path, content):
+    from zerotrain.data.prepare import PrepareConfig, TokenizerArgs, prepare
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text(content)
+    cfg = PrepareConfig(input=str(path), output=str(tmp_path / "out"), progress=False,
+                        tokenizer=TokenizerArgs(train_vocab_size=300))
+    with pytest.raises(DataError, match=rf"no text to train the tokenizer on in {path}: it has no document, or every "
+                                        rf"document is blank or in the valid split\. Give input with text"):
+        prepare(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"], "nothing may be left behind"
+
+
+def test_one_line_of_text_is_enough_to_reach_sentencepiece(tmp_path):
+    """The control: with text the check lets training through (sentencepiece's own limits then apply)."""
+    from zerotrain.data.prepare import PrepareConfig, TokenizerArgs, prepare
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "  "}\n' + json.dumps({"text": CORPUS.read_text()[:20_000]}) + "\n")
+    cfg = PrepareConfig(input=str(path), output=str(tmp_path / "out"), progress=False, valid_fraction=0.0,
+                        tokenizer=TokenizerArgs(train_vocab_size=400))
+    assert prepare(cfg).manifest["tokenizer"]["vocab_size"] == 400

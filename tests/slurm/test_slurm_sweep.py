@@ -14,7 +14,9 @@ SWEEP = REPO / "slurm" / "sweep.sh"
 
 
 def dry_run(*args: str) -> list[list[str]]:
-    out = subprocess.run(["bash", str(SWEEP), "--dry-run", *args], capture_output=True, text=True, check=True).stdout
+    """The printed commands, without the pre-flight check (these tests look at the commands, not at the data)."""
+    out = subprocess.run(["bash", str(SWEEP), "--dry-run", "--no-check", *args], capture_output=True, text=True,
+                         check=True).stdout
     return [shlex.split(line) for line in out.splitlines() if line]
 
 
@@ -38,7 +40,8 @@ def test_sweep_submits_zero3_and_three_hpz_modes_in_one_group(tmp_path):
 def test_dry_run_lines_paste_into_a_shell_unchanged(tmp_path):
     """Each printed line, run by bash, gives sbatch exactly the arguments the sweep would (quotes, $, spaces)."""
     tricky = ["wandb.tags=[a b]", "run.note=it's $HOME `x`", "wandb.notes=tab\there"]
-    out = subprocess.run(["bash", str(SWEEP), "--dry-run", "--variants", "zero3", "--", "tiny_llama", *tricky],
+    out = subprocess.run(["bash", str(SWEEP), "--dry-run", "--no-check", "--variants", "zero3", "--", "tiny_llama",
+                          *tricky],
                          capture_output=True, text=True, check=True).stdout
     (line,) = out.splitlines()
     echo = tmp_path / "bin"
@@ -84,7 +87,8 @@ def sweep_with_fake_sbatch(tmp_path: Path, *args: str) -> tuple[subprocess.Compl
     recorder.write_text(f'#!/bin/bash\n"{sys.executable}" -c \'import json, sys; print(json.dumps(sys.argv[1:]))\''
                         f' "$@" >> "{calls}"\necho 4242\n')
     recorder.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    # The interpreter running the tests checks (the checkout's .venv is the default, absent from a worktree).
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ZEROTRAIN_PYTHON": sys.executable}
     result = subprocess.run(["bash", str(SWEEP), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                             check=False, timeout=300)
     submitted = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
@@ -119,3 +123,19 @@ def test_preflight_passes_a_good_sweep_and_submits_every_variant(tmp_path):
     assert [job[1] for job in submitted] == [f"--job-name=ok-{v}" for v in ("zero3", "hpz-stock", "hpz-sync",
                                                                              "hpz-ordered")]
     assert "zero3: job 4242" in result.stdout and (tmp_path / "logs").is_dir()
+
+
+def test_a_dry_run_runs_the_preflight_check_and_prints_nothing_that_would_be_refused(tmp_path):
+    data = prepared_data(tmp_path)
+    env = {**os.environ, "ZEROTRAIN_PYTHON": sys.executable}
+    args = ["bash", str(SWEEP), "--dry-run", "--variants", "zero3", "--", "tiny_llama", f"data.train.0.path={data}"]
+    refused = subprocess.run([*args, "train.stepz=5"], env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert "pre-flight check of variant zero3 failed" in refused.stderr
+    assert "Did you mean 'train.steps'?" in refused.stderr and "nothing submitted" in refused.stderr
+    # The controls: a good sweep prints its command; --no-check prints the bad one unchecked (as every dry run did).
+    good = subprocess.run([*args, "train.steps=5"], env=env, capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0 and len(good.stdout.splitlines()) == 1, good.stderr
+    unchecked = subprocess.run([*args[:3], "--no-check", *args[3:], "train.stepz=5"], env=env, capture_output=True,
+                               text=True, timeout=300)
+    assert unchecked.returncode == 0 and "train.stepz=5" in unchecked.stdout

@@ -3,7 +3,9 @@
 Works offline, on one process: DeepSpeed's ``zero_to_fp32`` merges every rank's fp32 ZeRO partitions into one state
 dict on the CPU (no process group, no GPU), which is loaded into the model built from the run's saved config and
 written with ``save_pretrained``, next to the tokenizer the run was trained with (its copy in ``<run dir>/tokenizer``,
-see :mod:`zerotrain.run_tokenizer`), so it works from any directory and after the data set has moved. The result
+see :mod:`zerotrain.run_tokenizer`), so it works from any directory and after the data set has moved; a copy whose
+sha256 is not the one the checkpoint recorded is refused. Files get the mode the umask gives, as the run's other
+files do. The result
 loads with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` (a fast tokenizer giving
 the training ids). It is written to ``.<out>.partial`` and renamed to ``<out>`` when complete: an interrupted export
 leaves no half-written ``<out>``, and an older export there is replaced only by a complete one. The command line
@@ -21,7 +23,7 @@ from omegaconf import OmegaConf
 
 from zerotrain import run_tokenizer
 from zerotrain.checkpoint import sharded
-from zerotrain.durable import staged_directory
+from zerotrain.durable import default_modes, staged_directory
 from zerotrain.errors import CheckpointError
 from zerotrain.models import MODEL_CLASSES, ModelConfig, hf_config, torch_dtype
 
@@ -36,6 +38,7 @@ def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
     saved = yaml.safe_load(meta["config"])
     # Before the slow merge of the shards: a tokenizer that cannot be found fails at once, with nothing written.
     tokenizer = run_tokenizer.load(tag_dir.resolve().parent.parent, saved)  # <run dir>/checkpoints/<tag>
+    run_tokenizer.check_export(tokenizer, tag_dir, meta)  # the tokenizer the checkpoint was trained with, or none
     model_cfg: ModelConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"]))
     precision = saved["train"]["precision"]
     state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
@@ -54,4 +57,5 @@ def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
     with staged_directory(out_dir) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        default_modes(staging)  # readable by whoever may read the run's other files (the umask decides)
     return out_dir

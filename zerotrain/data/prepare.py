@@ -22,6 +22,7 @@ import difflib
 import errno
 import glob
 import hashlib
+import itertools
 import os
 import shutil
 import signal
@@ -190,11 +191,20 @@ def get_tokenizer(cfg: PrepareConfig, records: Callable[[], Iterator[Record]], o
     """The tokenizer to use (a trained one is written to ``out_dir``) and the manifest's note of its origin."""
     if cfg.tokenizer.path is not None:
         return load_tokenizer(cfg.tokenizer.path), cfg.tokenizer.path
+    # sentencepiece given no text fails with an internal assertion ('!sentences_.empty()'): say what is missing.
+    texts = _training_text(records(), cfg)
+    first = next((text for text in texts if text.strip()), None)
+    if first is None:
+        raise DataError(
+            f"no text to train the tokenizer on in {cfg.input or cfg.hf_dataset}: it has no document, or every "
+            f"document is blank{' or in the valid split' if cfg.valid_fraction else ''}. Give input with text (for "
+            f"JSONL: a '{cfg.text_field}' field, text_field=<name> for another), or tokenizer.path=<a tokenizer>")
+    texts = itertools.chain([first], texts)
     if cfg.tokenizer.train_kind == "llama3":
-        tokenizer = train_llama3_bpe(_training_text(records(), cfg), out_dir, cfg.tokenizer.train_vocab_size)
+        tokenizer = train_llama3_bpe(texts, out_dir, cfg.tokenizer.train_vocab_size)
         return tokenizer, f"trained: Llama-3 byte-level BPE, vocab_size={cfg.tokenizer.train_vocab_size}"
     tokenizer = train_sentencepiece(
-        _training_text(records(), cfg),
+        texts,
         out_dir / "tokenizer.model",
         vocab_size=cfg.tokenizer.train_vocab_size,
         seed=cfg.seed,
