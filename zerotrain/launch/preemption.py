@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -93,7 +93,7 @@ def _report_ready() -> None:
              f"tasks is passed on after ZEROTRAIN_SIGNAL_HOLD seconds instead")
 
 
-def slurm_requeued(environ: dict[str, str] | None = None, timeout_s: float = 5.0) -> bool:
+def slurm_requeued(environ: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> bool:
     """Whether SLURM has requeued this job since it started: ``scontrol requeue`` and a preemption with
     ``PreemptMode=REQUEUE`` raise the job's ``Restarts`` above this start's ``SLURM_RESTART_COUNT`` at once (the job
     is still COMPLETING while its tasks stop), ``scancel`` does not. False outside SLURM or without an answer."""
