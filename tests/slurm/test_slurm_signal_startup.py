@@ -7,6 +7,8 @@ first lines of train.py, with a stand-in srun that reports what it received and 
 * The batch shell holds a signal that comes before every task reported ready and passes it on once they have. The
   control: ``ZEROTRAIN_SIGNAL_HOLD=0`` (no hold: the old behaviour) passes it on at once, to tasks that are not
   ready, which the real srun or tasks would die of (see test_slurm_startup_signals.py for the cluster).
+* After a SIGTERM and exit 75 the batch shell says whether SLURM requeues the job itself (scontrol requeue: the job's
+  Restarts went up) and never requeues it again; after scancel it says it does not requeue.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def test_a_task_started_blocked_keeps_an_early_sigusr1_for_its_handler(tmp_path)
 FAKE_SRUN = """#!/bin/bash
 got=0
 trap 'echo "USR1 with $(ls "$ZEROTRAIN_READY_DIR" | wc -l) ready" >> "$FAKE_LOG"; got=1' USR1
-kill -USR1 "$PPID"
+trap 'echo "TERM" >> "$FAKE_LOG"; got=1' TERM
+kill -"${FAKE_SIGNAL:-USR1}" "$PPID"
 sleep 2
 touch "$ZEROTRAIN_READY_DIR/rank-0" "$ZEROTRAIN_READY_DIR/rank-1"
 for _ in $(seq 1 50); do [ "$got" = 1 ] && exit 75; sleep 0.1; done
@@ -78,7 +81,7 @@ exit 0
 """
 FAKE_SCONTROL = """#!/bin/bash
 echo "$*" >> "$FAKE_LOG"
-[ "$1" = show ] && echo "JobId=$3 JobState=RUNNING Restarts=0"
+[ "$1" = show ] && echo "JobId=$4 JobState=COMPLETING Restarts=${FAKE_RESTARTS:-0}"
 exit 0
 """
 
@@ -111,3 +114,14 @@ def test_the_batch_shell_holds_an_early_signal_until_every_task_is_ready(tmp_pat
     result, calls = batch_script_with_early_signal(tmp_path / "no-hold", ZEROTRAIN_SIGNAL_HOLD="0")
     assert calls[0] == "USR1 with 0 ready", calls
     assert "passing SIGUSR1 on anyway" in result.stderr
+
+
+def test_after_a_sigterm_the_batch_shell_names_slurms_own_requeue_and_does_not_requeue_again(tmp_path):
+    """scontrol requeue: SLURM raised Restarts above SLURM_RESTART_COUNT. The control: scancel (Restarts unchanged)."""
+    result, calls = batch_script_with_early_signal(tmp_path / "requeue", FAKE_SIGNAL="TERM", FAKE_RESTARTS="1")
+    assert result.returncode == 75 and "TERM" in calls, result.stdout + result.stderr
+    assert "SLURM is requeueing job 88 (scontrol requeue or a preemption)" in result.stdout
+    assert not any(c.startswith("requeue") for c in calls)
+
+    result, calls = batch_script_with_early_signal(tmp_path / "cancel", FAKE_SIGNAL="TERM", FAKE_RESTARTS="0")
+    assert "not requeueing (a cancellation)" in result.stdout and not any(c.startswith("requeue") for c in calls)
