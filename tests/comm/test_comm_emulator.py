@@ -19,7 +19,7 @@ import pytest
 
 from tools import emulate
 from tools.emulate import EmulatedCluster, EmulatorError, check_host
-from tools.launcher import CPU_ENV, REPO
+from tools.launcher import CPU_ENV, REPO, run
 
 HERE = Path(__file__).resolve().parent
 
@@ -187,3 +187,25 @@ def test_interrupt_cleans_up(tmp_path, sig, code):
     assert not _host_zt_links()
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), pid
+
+
+@needs_emulator
+def test_a_node_layout_refusal_exits_2_with_one_message_as_under_slurm(tmp_path, shakespeare):
+    """hpZ 4 on 2 nodes x 2 (its groups would cross nodes): every rank refuses after the rendezvous. The emulator runs
+    zerotrain.launch.torchrun on each node, so it exits 2 with the message once, not torchrun's 1 and a
+    ChildFailedError report per node. The control: the same emulator running plain torchrun (what --nproc-per-node
+    used to launch) on a config error loses the code."""
+    args = ["recipe=tiny_llama", "zero.zero_hpz_partition_size=4", "wandb.enabled=false",
+            f"data.train.0.path={shakespeare}", f"run.output_dir={tmp_path}"]
+    proc = run([sys.executable, "-m", "tools.emulate", "--nodes", "2", "--nproc-per-node", "2", "train.py", *args],
+               check=False, timeout=900)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-4000:]
+    assert text.count("zero.zero_hpz_partition_size=4 makes hpZ groups cross node boundaries") == 1, text[-4000:]
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-4000:]
+
+    plain = run([sys.executable, "-m", "tools.emulate", "--nodes", "2", "--", sys.executable, "-m",
+                 "torch.distributed.run", "--nnodes={nnodes}", "--node_rank={node_rank}", "--nproc_per_node=2",
+                 "--master_addr={master_addr}", "--master_port={master_port}", "train.py", "recipe=tiny_llama",
+                 "optim.lr=-1"], check=False, timeout=600)
+    assert plain.returncode == 1 and "ChildFailedError" in plain.stdout + plain.stderr

@@ -185,12 +185,15 @@ def test_srun_line_for_4_nodes_x_8_gpus_passes_overrides_unchanged():
     assert argv == [
         "srun", "--nodes=4", "--ntasks=32", "--ntasks-per-node=8", "--distribution=block", "--kill-on-bad-exit=1",
         "--wait=120", f"--output={REPO}/logs/zerotrain-123456/rank-%t.out", "--open-mode=append",
+        # the tasks start with the stop signals blocked until train.py's first lines (coreutils >= 8.31 here)
+        "env", "--block-signal=USR1", "--block-signal=TERM",
         "/opt/env/bin/python", "-u", "train.py", "recipe=llama2_7b", *overrides,
     ]  # fmt: skip
     assert env == {
         "OMP_NUM_THREADS": "12",  # 96 CPUs / 8 tasks
         "TORCH_EXTENSIONS_DIR": f"{REPO}/.cache/torch_extensions",
         "DS_ACCELERATOR": "",  # GPUs: DeepSpeed detects CUDA itself
+        "ZEROTRAIN_READY_DIR": f"{REPO}/logs/zerotrain-123456/.ready",  # where each task says its handlers exist
     }
 
 

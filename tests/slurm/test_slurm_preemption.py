@@ -125,3 +125,29 @@ def test_a_signal_recorded_during_startup_is_taken_over_by_the_handler(capfd):
     finally:
         for sig, previous in before.items():
             signal.signal(sig, previous)
+
+
+@pytest.mark.launch  # runs a stand-in scontrol
+@pytest.mark.parametrize("restarts, this_start, requeued", [(1, 0, True), (3, 2, True), (0, 0, False), (2, 2, False)])
+def test_a_sigterm_from_a_slurm_requeue_is_named_a_requeue(handler, tmp_path, monkeypatch, restarts, this_start,
+                                                           requeued):
+    """scontrol requeue (or a preemption SLURM requeues) raises the job's Restarts above this start's
+    SLURM_RESTART_COUNT while the tasks stop; scancel does not. The stand-in prints what SLURM's scontrol printed
+    on the local cluster during each (tests/slurm/test_slurm_startup_signals.py checks the real one)."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/bash\necho "JobId=$4 JobState=COMPLETING Reason=None Restarts={restarts}"\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    if this_start:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(this_start))
+    else:
+        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert handler.should_stop()
+    message = handler.stop_message(9)
+    if requeued:
+        assert message == ("requeued by SLURM (SIGTERM: scontrol requeue or a preemption): checkpoint saved at step 9; "
+                           "the job's next start resumes from it")
+    else:  # the control: a cancellation keeps saying so
+        assert message.startswith("terminated (SIGTERM): checkpoint saved at step 9, not requeued")

@@ -14,7 +14,9 @@ With ``--nproc-per-node K`` the command is a script and its arguments, launched 
 command runs as given on every node, with ``{node_rank} {nnodes} {master_addr} {master_port} {node_name}
 {ifname}`` substituted. Every node's processes get ``ZEROTRAIN_NODE_NAME=node<i>`` (zerotrain's rank-to-node
 layout), ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME=eth0``, ``MASTER_ADDR``/``MASTER_PORT``. Output lines are
-prefixed with ``[node i]``. The exit status is the first non-zero node's (0 when all succeed, 130 on Ctrl-C).
+prefixed with ``[node i]``; an error message every node reports (a config or layout error) is shown once. The exit
+status is the first non-zero node's (0 when all succeed, 130 on Ctrl-C): with ``--nproc-per-node`` the failed rank's
+own code (``zerotrain.launch.torchrun``: 2 for a user error, 75 for a preemption), not torchrun's 1.
 
 Needs root, ``ip`` and ``tc`` (iproute2). Everything it creates (``zt-<tag>-*`` namespaces, their veths and bridge,
 addresses in 10.213.0.0/24 that exist only inside them) is deleted when the command ends, fails, or is interrupted
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import threading
 import time
@@ -47,9 +50,32 @@ from tools.emulate import (
 MASTER_PORT = 29500  # the namespaces are fresh: no port is taken
 
 
-def _pump(stream, prefix: str, sink) -> None:
+# A zerotrain error as a rank prints it ("error: ...") or a node's launcher repeats it for a rank whose node has no
+# rank 0 ("error (rank 2): ..."): on a real cluster each node has its own log, here the streams merge into one.
+_ERROR_LINE = re.compile(r"^error(?: \(rank \d+\))?: (.*)$")
+
+
+class _SeenErrors:
+    """The error messages already shown, across the nodes' output threads: the same one is printed once."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def first(self, message: str) -> bool:
+        with self._lock:
+            new = message not in self._seen
+            self._seen.add(message)
+            return new
+
+
+def _pump(stream, prefix: str, sink, errors: _SeenErrors) -> None:
     for line in iter(stream.readline, b""):
-        sink.write(prefix + line.decode(errors="replace"))
+        text = line.decode(errors="replace")
+        match = _ERROR_LINE.match(text.rstrip("\n"))
+        if match and not errors.first(match.group(1)):
+            continue
+        sink.write(prefix + text)
         sink.flush()
     stream.close()
 
@@ -106,14 +132,14 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
                  ", ".join(cluster.namespaces))
         if args.log_dir:
             args.log_dir.mkdir(parents=True, exist_ok=True)
-        procs, pumps = [], []
+        procs, pumps, errors = [], [], _SeenErrors()
         for i in range(args.nodes):
             env = cluster.node_env(i, MASTER_PORT)
             sink = sys.stdout
             if args.log_dir:
                 sink = _Tee(sys.stdout, open(args.log_dir / f"node{i}.log", "w"))
             p = cluster.popen(i, build_argv(args, cluster, i), env=env, stdout=-1, stderr=-2)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[node{i}] ", sink), daemon=True)
+            t = threading.Thread(target=_pump, args=(p.stdout, f"[node{i}] ", sink, errors), daemon=True)
             t.start()
             procs.append(p)
             pumps.append(t)

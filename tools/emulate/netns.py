@@ -334,8 +334,9 @@ class EmulatedCluster:
 
 def torchrun_argv(python: str, cluster: EmulatedCluster, node: int, nproc_per_node: int, master_port: int,
                   script_and_args: Sequence[str]) -> list[str]:
-    """``python -m torch.distributed.run`` for node ``node`` of the cluster (static rendezvous on node 0)."""
-    return [python, "-m", "torch.distributed.run", f"--nnodes={cluster.nodes}", f"--node_rank={node}",
+    """``python -m zerotrain.launch.torchrun`` (torchrun, exiting with the failed rank's code and message instead of
+    1 and a ChildFailedError traceback) for node ``node`` of the cluster (static rendezvous on node 0)."""
+    return [python, "-m", "zerotrain.launch.torchrun", f"--nnodes={cluster.nodes}", f"--node_rank={node}",
             f"--nproc_per_node={nproc_per_node}", f"--master_addr={cluster.master_addr}",
             f"--master_port={master_port}", *script_and_args]
 

@@ -11,25 +11,31 @@ USR1 to every task) and sends SIGTERM on cancellation or preemption. The protoco
 3. When it returns True the trainer saves a checkpoint (a collective, on every rank) and every rank exits with
    :data:`REQUEUE_EXIT_CODE`. ``slurm/train.sbatch`` sees that exit code from ``srun`` and runs
    ``scontrol requeue $SLURM_JOB_ID``; the requeued job resumes from the checkpoint with the same run name. After
-   SIGTERM (``scancel``, or a preemption SLURM requeues by itself) the script does not requeue, and the run says so
-   (:meth:`PreemptionHandler.stop_message`).
+   SIGTERM the script does not requeue: ``scancel`` means stop, and ``scontrol requeue`` or a preemption with
+   ``PreemptMode=REQUEUE`` is SLURM requeueing the job itself. :meth:`PreemptionHandler.stop_message` says which
+   (:func:`slurm_requeued`).
 
 A second signal while stopping (e.g. SIGTERM from ``scancel`` during the save) is logged and ignored: the save
 finishes if SLURM's KillWait allows, and SIGKILL ends it otherwise.
 
 Start-up: importing torch, transformers and DeepSpeed takes seconds to minutes, and until a handler exists
-SIGUSR1's default action kills the task (exit 138, no checkpoint, no requeue). With a short ``--time`` SLURM's
-warning comes at once. So ``train.py`` calls :func:`install_early_handlers` on its first lines, before any heavy
-import: a handler that only records the signal. The trainer's :class:`PreemptionHandler` takes the record over
-when it installs its own, so a signal that arrived during start-up is not lost: the run stops (checkpoint, exit 75)
-at its first step boundary.
+SIGUSR1's default action kills the task (exit 138, no checkpoint, no requeue). So ``train.py`` calls
+:func:`install_early_handlers` on its first lines, before any heavy import: a handler that only records the signal.
+The trainer's :class:`PreemptionHandler` takes the record over when it installs its own, so a signal that arrived
+during start-up is not lost: the run stops (checkpoint, exit 75) at its first step boundary. Before those first
+lines (the interpreter's own start) two things in ``slurm/train.sbatch`` cover the task:
+
+* it starts each task with SIGUSR1/SIGTERM blocked (``env --block-signal``: the mask survives exec), so a signal sent
+  to the tasks directly stays pending; :func:`install_early_handlers` unblocks it into its handler;
+* it holds a signal it got itself (the time-limit warning, ``scancel --signal=USR1 --batch``) until every task has
+  reported that its handler exists: :func:`install_early_handlers` creates ``$ZEROTRAIN_READY_DIR/rank-<rank>``.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -40,6 +46,9 @@ from zerotrain.errors import EXIT_REQUEUE
 REQUEUE_EXIT_CODE = EXIT_REQUEUE
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+# slurm/train.sbatch: the directory where each task says that its handlers exist (rank-<SLURM_PROCID>)
+READY_DIR_ENV = "ZEROTRAIN_READY_DIR"
 
 _early_received: int | None = None  # the first signal the start-up handler recorded
 
@@ -61,9 +70,50 @@ def _on_early_signal(signum: int, frame: FrameType | None) -> None:
 
 def install_early_handlers(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
     """Record (only record) SIGUSR1/SIGTERM from the first line of the program until the trainer's handler exists;
-    :class:`PreemptionHandler` adopts what was recorded. Call from the main thread, before heavy imports."""
+    :class:`PreemptionHandler` adopts what was recorded. Call from the main thread, before heavy imports.
+
+    Then unblock them (a signal that came while the launcher kept them blocked is delivered to the handler here) and
+    tell ``slurm/train.sbatch`` that this task can take a signal (see the module docstring)."""
+    signals = tuple(signals)
     for sig in signals:
         signal.signal(sig, _on_early_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    _report_ready()
+
+
+def _report_ready() -> None:
+    directory = os.environ.get(READY_DIR_ENV)
+    if not directory:
+        return
+    rank = os.environ.get("SLURM_PROCID") or os.environ.get("RANK") or "0"
+    try:
+        os.close(os.open(os.path.join(directory, f"rank-{rank}"), os.O_CREAT | os.O_WRONLY, 0o644))
+    except OSError as e:
+        _say(f"cannot tell the batch script that this task's signal handlers exist ({e}): a signal it holds for the "
+             f"tasks is passed on after ZEROTRAIN_SIGNAL_HOLD seconds instead")
+
+
+def slurm_requeued(environ: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> bool:
+    """Whether SLURM has requeued this job since it started: ``scontrol requeue`` and a preemption with
+    ``PreemptMode=REQUEUE`` raise the job's ``Restarts`` above this start's ``SLURM_RESTART_COUNT`` at once (the job
+    is still COMPLETING while its tasks stop), ``scancel`` does not. False outside SLURM or without an answer."""
+    import shutil  # here, not at the top: train.py imports this module first thing, so it stays light
+    import subprocess
+
+    environ = os.environ if environ is None else environ
+    job_id = environ.get("SLURM_JOB_ID")
+    if not job_id or shutil.which("scontrol") is None:
+        return False
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                             timeout=timeout_s, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    fields = dict(field.split("=", 1) for field in out.split() if "=" in field)
+    try:
+        return int(fields.get("Restarts", "0")) > int(environ.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        return False
 
 
 def ignore_stop_signals(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
@@ -104,6 +154,8 @@ class PreemptionHandler:
             self._previous[sig] = signal.signal(sig, self._on_signal)
             if self._previous[sig] is _on_early_signal:
                 self._adopt_early_signal()
+        # Started blocked by slurm/train.sbatch without install_early_handlers (another entry point): deliver now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         return self
 
     def _adopt_early_signal(self) -> None:
@@ -136,13 +188,16 @@ class PreemptionHandler:
         return self.received is not None
 
     def stop_message(self, step: int) -> str:
-        """What the run says once the stop checkpoint of ``step`` is saved, by the signal this process got: only
-        SIGUSR1 (SLURM's time-limit warning) leads to a requeue; SIGTERM is a cancellation (or a preemption that
-        SLURM itself requeues), so the job script does not requeue it."""
+        """What the run says once the stop checkpoint of ``step`` is saved, by the signal this process got: SIGUSR1
+        (SLURM's time-limit warning) leads to a requeue by the job script; SIGTERM is a requeue by SLURM itself
+        (``scontrol requeue``, a preemption; asked of SLURM on the logging rank only) or else a cancellation."""
         if self.received == signal.SIGUSR1:
             return f"preempted at step {step}: checkpoint saved, exiting for requeue (SIGUSR1, the time-limit warning)"
         if self.received is not None:
             name = signal.Signals(self.received).name
+            if _logging_rank() and slurm_requeued():
+                return (f"requeued by SLURM ({name}: scontrol requeue or a preemption): checkpoint saved at step "
+                        f"{step}; the job's next start resumes from it")
             return (f"terminated ({name}): checkpoint saved at step {step}, not requeued; relaunch the same command "
                     f"to continue from it")
         return f"another rank got a stop signal: checkpoint saved at step {step}, exiting"
@@ -159,6 +214,13 @@ class PreemptionHandler:
         if _agree_any(self.requested, self.group):
             self.stopping = True
         return self.stopping
+
+
+def _logging_rank() -> bool:
+    """Rank 0 of the world (or a single process): the rank whose info lines are shown, so only it asks SLURM."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _agree_any(flag: bool, group: Any = None) -> bool:
