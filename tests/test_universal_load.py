@@ -49,6 +49,23 @@ def test_separated_steps_go_where_torch_wants_them_and_are_copies():
     assert steps[0] is not steps[1]
 
 
+def test_steps_are_separated_when_zero3_has_emptied_the_groups_params():
+    """Between steps DeepSpeed's ZeRO-3 leaves every group's ``params`` empty (a sub-group's flat partition is put in
+    for its own step only): the states must still get their own ``step`` each. The control is a walk of the groups,
+    which finds no parameter there and leaves the one shared tensor (the 8e-3 drift of test_resume_resize.py)."""
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    opt = adamw(params)
+    shared = torch.tensor(4.0)
+    for p in params:
+        opt.state[p] = {"step": shared}
+    for group in opt.param_groups:
+        group["params"] = []  # as stage3.py leaves them after _optimizer_step
+    assert not [p for g in opt.param_groups for p in g["params"] if p in opt.state], "control: the groups show none"
+    universal.separate_steps(opt)
+    steps = [opt.state[p]["step"] for p in params]
+    assert steps[0] is not steps[1] and steps[0] is not shared and all(s.item() == 4.0 for s in steps)
+
+
 def saved_groups(**kernel) -> list[dict]:
     """The param groups of a checkpoint written by a run with these kernel flags (after one real step)."""
     params = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]

@@ -239,12 +239,18 @@ def restore_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]
 
 
 def separate_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter's state its own ``step`` tensor (a copy, same dtype) on :func:`step_device`."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if state and isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone().to(step_device(group, param))
+    """Give every parameter's state its own ``step`` tensor (a copy, same dtype) on :func:`step_device`.
+
+    The states are walked, not the groups: between steps DeepSpeed's ZeRO-3 leaves the groups' ``params`` lists
+    empty (it puts each sub-group's flat partition in for that sub-group's step only), so a walk of the groups would
+    find no parameter and leave the shared ``step`` in place. A state whose group cannot be found takes the kernel
+    flags any group has (a fused or capturable group needs its ``step`` on the parameter's device)."""
+    groups = optimizer.param_groups
+    any_group = {flag: any(g.get(flag) for g in groups) for flag in ("capturable", "fused")}
+    for param, state in optimizer.state.items():
+        if isinstance(state.get("step"), torch.Tensor):
+            group = next((g for g in groups if any(p is param for p in g["params"])), any_group)
+            state["step"] = state["step"].clone().to(step_device(group, param))
 
 
 def repair(engine, universal: Path) -> None:
