@@ -1,12 +1,17 @@
 """The GPU check: hpZ's race, the cost of its fixes and a Llama-2-7B training step, on one NVIDIA GPU, in one table.
 
-    .venv/bin/python benchmarks/gpu_check.py --json runs/gpu_check.json            # about 3-4 minutes on one H200
-    .venv/bin/python benchmarks/gpu_check.py --quick --json runs/gpu_check.json    # the ~1.5-minute subset
+    bash benchmarks/gpu_check.sh --out runs/gpu_check              # ~5 minutes on one H200, each section <= 4
+    bash benchmarks/gpu_check.sh --out runs/gpu_check --quick      # < 2 minutes
+    bash benchmarks/gpu_check.sh --out runs/gpu_check --dry-run    # the CPU: every section's code, tiny shapes
 
-Needs one NVIDIA GPU with bf16 (compute capability >= 8.0: A100, H100, H200), a CUDA build of torch (on a Linux CUDA
-node ``pip install -r requirements.txt`` resolves ``torch==2.13.0`` to PyPI's CUDA wheel) and a driver recent enough
-for it. Only device 0 is used. Prints one table, writes a JSON file (and the sections' output to a ``.log`` beside
-it), exits 1 if a check fails. Without a GPU it prints the same table with every row "no GPU: skipped" and exits 0.
+(``gpu_check.sh``: the checkout on PYTHONPATH, and its .venv or an offline environment over the node's own torch
+from the carried wheelhouse, docs/offline_install.md.) Needs one NVIDIA GPU with bf16 (compute capability >= 8.0:
+A100, H100, H200), a CUDA build of torch >= 2.11 and a driver for it. Only device 0 is used. Each section writes
+``OUT/<section>.json`` and ``.md`` as soon as it ends, then the summary ``OUT/gpu_check.json``/``.md``; the
+sections' output goes to ``OUT/gpu_check.log``; prints one table; exits 1 if a check fails. Without a GPU it
+prints the same table with every row "no GPU: skipped" and exits 0. ``--dry-run`` runs every section on the CPU
+with tiny shapes, race, record_stream and stall on the emulated asynchronous accelerator
+(``zerotrain.hpz.async_emulator``), so only CUDA kernels stay untried.
 
 Sections (each a child process with its own hard time budget; a crash or timeout marks its rows ERROR):
 
@@ -32,20 +37,18 @@ Sections (each a child process with its own hard time budget; a crash or timeout
     else the largest layer count that fits (80 GB A100/H100: 18), stated in the table.
 
 Estimated time on one H200 (989 TFLOP/s dense bf16; ~600 TFLOP/s assumed achieved on these GEMMs, 4.8 TB/s HBM),
-full mode / --quick, each plus ~10-20 s of process start (imports, CUDA and NCCL set-up):
+full mode / --quick, each plus ~10-15 s of process start (imports, CUDA and NCCL set-up); BUDGET_S holds the hard
+budgets (each <= 4 minutes; probe + race + record_stream + stall 255 s, probe + train 270 s; quick 120 s in all):
 
-* race: 4 arms x 5 reps (quick 2) x 9 shards x 10 ms of busy kernel = 1.8 s of GPU time; budget 60 s (quick 25).
-* record_stream: 4 arms x 9 shards, one 50 ms delay each: < 1 s; budget 45 s (quick 20 s).
+* race: sleep-kernel calibration (1 s of GEMMs, 5 timed spins) + 4 arms x 5 reps (quick 2) x 9 shards x 10 ms of
+  busy kernel = 1.8 s of GPU time.
+* record_stream: calibration + 4 arms x 9 shards, one 50 ms delay each: < 1 s.
 * stall: 6 T P_layer L = 6 x 4096 tokens x 202.4M x 8 layers = 39.8 TFLOP per step = ~66 ms; 3 arms x 12 steps
-  = 2.4 s (quick: 4 layers, 2048 tokens, 3 arms x 4 steps = 0.2 s); building 8 layers ~10 s; budget 120 s (quick 30).
+  and the GEMMs alone = 3 s (quick: 4 layers, 2048 tokens, 4 steps); building 8 layers ~10 s.
 * train: 46.1 GFLOP/token (6N + 12 L d T, N = 6.61e9 matmul parameters, T = 4096) x 8192 tokens = 3.8e14 model FLOP
   per step, x4/3 with recomputation = 5.0e14 = ~1.0 s at 500 TFLOP/s, + ~0.15 s of fused AdamW over 6.74e9 fp32
   parameters (~190 GB of HBM traffic) -> ~1.2-1.6 s per step, 13 steps ~20 s, building and ``deepspeed.initialize``
-  ~60 s; budget 300 s (quick: 4 layers, 2048 tokens, 6 steps, budget 60 s).
-* the device probe: a few seconds; budget 30 s (quick 20 s).
-
-Total expected ~3-4 min (quick ~1.5 min); the hard budgets add up to 9.25 min (quick 2.6 min), so the whole check
-stays under 10 minutes even when a section has to be killed.
+  ~60 s (quick: 4 layers, 2048 tokens, 6 steps).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -80,6 +84,7 @@ DRY_BUDGET_S = 240
 RACY_MODES = ("stock", "legacy")  # modes that do not order the shard copy before its read: expected to race
 DEEPSPEED_ARM = "deepspeed"  # DeepSpeed 0.19.8's own builder and coordinator (zerotrain.hpz uninstalled)
 GIB = 2**30
+MIN_TORCH = (2, 11)  # the oldest torch GPU nodes carry; tools/torch_api_check.py checked our torch API against it
 STARTED = time.monotonic()  # a section's budget counts from its process's start
 
 # Llama-2-7B (Touvron et al. 2023); TINY only exercises the same code on the CPU (tests).
@@ -368,8 +373,8 @@ ROWS_OF = {"race": race_rows, "record_stream": record_stream_rows, "stall": stal
 
 NEEDS = ("one NVIDIA GPU with bf16 (compute capability >= 8.0: A100, H100, H200); >= 16 GiB of GPU memory for the "
          "hpZ sections (race, record_stream, stall), >= 23 GiB for a reduced training step, ~127 GiB for full "
-         "Llama-2-7B (a 141 GB H200); a CUDA build of torch (torch==2.13.0 from PyPI on a Linux CUDA node) and an "
-         "NVIDIA driver that supports its CUDA version")
+         "Llama-2-7B (a 141 GB H200); a CUDA build of torch >= 2.11 (torch==2.13.0 from PyPI on a Linux CUDA node, "
+         "or the node's own) and an NVIDIA driver that supports its CUDA version")
 
 
 def format_table(title: str, rows: list[dict]) -> str:
@@ -399,9 +404,14 @@ def probe() -> dict:
 
     info = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "deepspeed": deepspeed.__version__,
             "modes": list(hpz.MODES), "reason": None}
-    if torch.version.cuda is None:
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version < MIN_TORCH:
+        info["reason"] = (f"torch {torch.__version__} is older than {'.'.join(map(str, MIN_TORCH))}, the oldest "
+                          f"zerotrain supports (docs/offline_install.md)")
+    elif torch.version.cuda is None:
         info["reason"] = (f"torch {torch.__version__} is a CPU-only build; on a Linux CUDA node "
-                          f"`pip install -r requirements.txt` installs PyPI's CUDA build of torch==2.13.0")
+                          f"`pip install -r requirements.txt` installs PyPI's CUDA build of torch==2.13.0; a node's "
+                          f"own CUDA torch >= 2.11 will do (docs/offline_install.md)")
     elif not torch.cuda.is_available():
         info["reason"] = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no GPU "
                           f"(check nvidia-smi, the driver version, CUDA_VISIBLE_DEVICES)")
@@ -1036,8 +1046,13 @@ def device_probe(args: argparse.Namespace, log: Path) -> tuple[dict | None, str]
     return device, why
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # through run_in_child's handler, which kills the section's process group
+
+
 def check(args: argparse.Namespace) -> int:
     """Run the sections one by one; each one's JSON and Markdown are written as soon as it ends, then the summary."""
+    signal.signal(signal.SIGTERM, _terminated)  # `timeout` must not leave a section running on the GPU
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = Path(args.json) if args.json else out_dir / "gpu_check.json"

@@ -1,6 +1,6 @@
 """The offline install on a node that brings its own torch (docs/offline_install.md), as documented, on the CPU.
 
-Cached in .cache/offline_env (each part rebuilt when requirements*.txt or the tool that makes it changes): the wheelhouse
+Cached in .cache/offline_env (each part rebuilt when requirements*.txt or the tool making it changes): the wheelhouse
 for this Python (``tools/wheelhouse.py``, what ``make wheelhouse PY=3.11`` runs; needs PyPI the first time), a
 "node" interpreter whose site holds only torch, its own requirements, numpy and pip (a venv with them linked from the
 project's), and tools/node_env.sh's environment over it. There: a 4-rank tiny training and the GPU check's dry run
@@ -105,6 +105,10 @@ def test_wheelhouse_is_one_version_of_each_within_40_mib_without_torch(offline_e
 def test_offline_env_trains_on_4_ranks_and_runs_the_dry_run_keeping_the_nodes_torch(offline_env, shakespeare,
                                                                                      tmp_path):
     env = offline_env["env"]
+    # The control: the "node" interpreter really has torch and none of what the wheelhouse brings.
+    bare = run([offline_env["node_python"], "-c", "import torch, importlib.util as u; print(torch.__version__, "
+                "[m for m in ('deepspeed', 'transformers', 'omegaconf', 'pydantic') if u.find_spec(m)])"], env=env)
+    assert bare.stdout.split(" ", 1)[1].strip() == "[]", bare.stdout
     out = tmp_path / "check"
     # The command a GPU node runs (it builds the environment the first time, with no index), dry: on the CPU.
     check = run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--out", str(out)], env=env, timeout=1500,

@@ -23,6 +23,12 @@ if ! torch_version=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/nu
     echo "node_env.sh: $py cannot import torch; name the node's python with torch as the third argument" >&2
     exit 2
 fi
+if ! "$py" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+sys.exit(v < (2, 11))'; then
+    echo "node_env.sh: torch $torch_version is older than 2.11, the oldest zerotrain supports" \
+        "(docs/offline_install.md)" >&2
+    exit 2
+fi
 if [ ! -x "$venv/bin/python" ]; then
     # No pip of its own: ensurepip of Python < 3.12 would also put setuptools 65 in the venv, shadowing the node's
     # (torch needs >= 77). The node's pip installs into it (pip >= 22.3: --python).
