@@ -81,6 +81,7 @@ SECTIONS = ("race", "record_stream", "stall", "train")
 # + train), and --quick's add up to 2 minutes. A dry run (CPU, tiny shapes) gets DRY_BUDGET_S per section.
 BUDGET_S = {"probe": (30, 15), "race": (60, 20), "record_stream": (45, 15), "stall": (120, 25), "train": (240, 45)}
 DRY_BUDGET_S = 240
+DRY_PROBE_BUDGET_S = 1200  # it may JIT-build DeepSpeed's CPU comm op: minutes on a loaded machine
 RACY_MODES = ("stock", "legacy")  # modes that do not order the shard copy before its read: expected to race
 DEEPSPEED_ARM = "deepspeed"  # DeepSpeed 0.19.8's own builder and coordinator (zerotrain.hpz uninstalled)
 GIB = 2**30
@@ -950,7 +951,20 @@ def train_section(opts: argparse.Namespace) -> dict:
             "device": metrics.device_name(), "activation_checkpointing": checkpointing}
 
 
-RUNNERS = {"probe": lambda opts: probe(), "race": race_section, "record_stream": record_stream_section,
+def dry_probe() -> dict:
+    """The probe of a dry run: also JIT-builds DeepSpeed's CPU shared-memory comm op (once per TORCH_EXTENSIONS_DIR)
+    under the probe's longer budget, so no section is killed mid-build (which would leave the build's lock behind
+    and hang every later section)."""
+    from deepspeed.comm.torch import build_shm_op
+
+    info = probe()
+    t0 = time.perf_counter()
+    info["shm_comm_op"] = build_shm_op() is not None
+    info["shm_comm_op_s"] = time.perf_counter() - t0
+    return info
+
+
+RUNNERS = {"probe": lambda opts: dry_probe() if opts.tiny else probe(), "race": race_section, "record_stream": record_stream_section,
            "stall": stall_section, "train": train_section}
 
 
@@ -1013,7 +1027,9 @@ def run_in_child(section: str, args: argparse.Namespace, log: Path, gpu: bool) -
 
 
 def section_budget(section: str, args: argparse.Namespace) -> int:
-    return DRY_BUDGET_S if args.dry_run else BUDGET_S[section][int(args.quick)]
+    if args.dry_run:
+        return DRY_PROBE_BUDGET_S if section == "probe" else DRY_BUDGET_S
+    return BUDGET_S[section][int(args.quick)]
 
 
 def _last_error_line(log: Path) -> str:
