@@ -84,8 +84,10 @@ def offline_env():
     node_python = torch_only_python(root / "node_python")
     venv = root / f"venv-{_key(*WHEELHOUSE_SOURCES, 'tools/node_env.sh')}"
     return {"wheelhouse": wheelhouse, "node_python": node_python, "venv": venv,
+            # Its own JIT cache: DeepSpeed's CPU comm op built from this venv's sources has another build command
+            # than the project venv's, and two environments sharing one cache rebuild it in turn.
             "env": {"ZT_WHEELHOUSE": str(wheelhouse), "ZT_PYTHON": str(node_python), "ZT_NODE_VENV": str(venv),
-                    "PYTHONPATH": str(REPO)}}
+                    "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions")}}
 
 
 def test_wheelhouse_is_one_version_of_each_within_40_mib_without_torch(offline_env):
