@@ -14,7 +14,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup data data-llama3 demo test test-fast durations clean
+.PHONY: setup data data-llama3 demo test test-fast durations wheelhouse clean
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,12 @@ test-fast: setup
 
 durations: setup
 	$(PY) tools/durations.py --out tests/durations.txt $(PYTEST_ARGS)
+
+# make wheelhouse PY=3.12: the wheels a GPU node with its own torch and no network needs (tools/wheelhouse.py,
+# docs/offline_install.md), into wheelhouse/py312; needs PyPI. Here PY is the target Python version.
+wheelhouse:
+	test -x $(VENV)/bin/python || $(MAKE) setup PY=$(VENV)/bin/python
+	$(VENV)/bin/python tools/wheelhouse.py --python $(if $(filter 3.%,$(PY)),$(PY),3.12) $(WHEELHOUSE_ARGS)
 
 clean:
 	rm -rf runs data/prepared .cache

@@ -1,12 +1,17 @@
 """The GPU check: hpZ's race, the cost of its fixes and a Llama-2-7B training step, on one NVIDIA GPU, in one table.
 
-    .venv/bin/python benchmarks/gpu_check.py --json runs/gpu_check.json            # about 3-4 minutes on one H200
-    .venv/bin/python benchmarks/gpu_check.py --quick --json runs/gpu_check.json    # the ~1.5-minute subset
+    bash benchmarks/gpu_check.sh --out runs/gpu_check              # ~5 minutes on one H200, each section <= 4
+    bash benchmarks/gpu_check.sh --out runs/gpu_check --quick      # < 2 minutes
+    bash benchmarks/gpu_check.sh --out runs/gpu_check --dry-run    # the CPU: every section's code, tiny shapes
 
-Needs one NVIDIA GPU with bf16 (compute capability >= 8.0: A100, H100, H200), a CUDA build of torch (on a Linux CUDA
-node ``pip install -r requirements.txt`` resolves ``torch==2.13.0`` to PyPI's CUDA wheel) and a driver recent enough
-for it. Only device 0 is used. Prints one table, writes a JSON file (and the sections' output to a ``.log`` beside
-it), exits 1 if a check fails. Without a GPU it prints the same table with every row "no GPU: skipped" and exits 0.
+(``gpu_check.sh``: the checkout on PYTHONPATH, and its .venv or an offline environment over the node's own torch
+from the carried wheelhouse, docs/offline_install.md.) Needs one NVIDIA GPU with bf16 (compute capability >= 8.0:
+A100, H100, H200), a CUDA build of torch >= 2.11 and a driver for it. Only device 0 is used. Each section writes
+``OUT/<section>.json`` and ``.md`` as soon as it ends, then the summary ``OUT/gpu_check.json``/``.md``; the
+sections' output goes to ``OUT/gpu_check.log``; prints one table; exits 1 if a check fails. Without a GPU it
+prints the same table with every row "no GPU: skipped" and exits 0. ``--dry-run`` runs every section on the CPU
+with tiny shapes, race, record_stream and stall on the emulated asynchronous accelerator
+(``zerotrain.hpz.async_emulator``), so only CUDA kernels stay untried.
 
 Sections (each a child process with its own hard time budget; a crash or timeout marks its rows ERROR):
 
@@ -32,20 +37,18 @@ Sections (each a child process with its own hard time budget; a crash or timeout
     else the largest layer count that fits (80 GB A100/H100: 18), stated in the table.
 
 Estimated time on one H200 (989 TFLOP/s dense bf16; ~600 TFLOP/s assumed achieved on these GEMMs, 4.8 TB/s HBM),
-full mode / --quick, each plus ~10-20 s of process start (imports, CUDA and NCCL set-up):
+full mode / --quick, each plus ~10-15 s of process start (imports, CUDA and NCCL set-up); BUDGET_S holds the hard
+budgets (each <= 4 minutes; probe + race + record_stream + stall 255 s, probe + train 270 s; quick 120 s in all):
 
-* race: 4 arms x 5 reps (quick 2) x 9 shards x 10 ms of busy kernel = 1.8 s of GPU time; budget 60 s (quick 25).
-* record_stream: 4 arms x 9 shards, one 50 ms delay each: < 1 s; budget 45 s (quick 20 s).
+* race: sleep-kernel calibration (1 s of GEMMs, 5 timed spins) + 4 arms x 5 reps (quick 2) x 9 shards x 10 ms of
+  busy kernel = 1.8 s of GPU time.
+* record_stream: calibration + 4 arms x 9 shards, one 50 ms delay each: < 1 s.
 * stall: 6 T P_layer L = 6 x 4096 tokens x 202.4M x 8 layers = 39.8 TFLOP per step = ~66 ms; 3 arms x 12 steps
-  = 2.4 s (quick: 4 layers, 2048 tokens, 3 arms x 4 steps = 0.2 s); building 8 layers ~10 s; budget 120 s (quick 30).
+  and the GEMMs alone = 3 s (quick: 4 layers, 2048 tokens, 4 steps); building 8 layers ~10 s.
 * train: 46.1 GFLOP/token (6N + 12 L d T, N = 6.61e9 matmul parameters, T = 4096) x 8192 tokens = 3.8e14 model FLOP
   per step, x4/3 with recomputation = 5.0e14 = ~1.0 s at 500 TFLOP/s, + ~0.15 s of fused AdamW over 6.74e9 fp32
   parameters (~190 GB of HBM traffic) -> ~1.2-1.6 s per step, 13 steps ~20 s, building and ``deepspeed.initialize``
-  ~60 s; budget 300 s (quick: 4 layers, 2048 tokens, 6 steps, budget 60 s).
-* the device probe: a few seconds; budget 30 s (quick 20 s).
-
-Total expected ~3-4 min (quick ~1.5 min); the hard budgets add up to 9.25 min (quick 2.6 min), so the whole check
-stays under 10 minutes even when a section has to be killed.
+  ~60 s (quick: 4 layers, 2048 tokens, 6 steps).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -73,10 +77,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 SECTIONS = ("race", "record_stream", "stall", "train")
 # Hard budgets in seconds (full, quick): the section's child process is killed when it runs past its budget.
-BUDGET_S = {"probe": (30, 20), "race": (60, 25), "record_stream": (45, 20), "stall": (120, 30), "train": (300, 60)}
+# Each at most 4 minutes, so the whole check fits two 5-minute calls (probe + race + record_stream + stall, then probe
+# + train), and --quick's add up to 2 minutes. A dry run (CPU, tiny shapes) gets DRY_BUDGET_S per section.
+BUDGET_S = {"probe": (30, 15), "race": (60, 20), "record_stream": (45, 15), "stall": (120, 25), "train": (240, 45)}
+DRY_BUDGET_S = 240
+DRY_PROBE_BUDGET_S = 1200  # it may JIT-build DeepSpeed's CPU comm op: minutes on a loaded machine
 RACY_MODES = ("stock", "legacy")  # modes that do not order the shard copy before its read: expected to race
 DEEPSPEED_ARM = "deepspeed"  # DeepSpeed 0.19.8's own builder and coordinator (zerotrain.hpz uninstalled)
 GIB = 2**30
+MIN_TORCH = (2, 11)  # the oldest torch GPU nodes carry; tools/torch_api_check.py checked our torch API against it
 STARTED = time.monotonic()  # a section's budget counts from its process's start
 
 # Llama-2-7B (Touvron et al. 2023); TINY only exercises the same code on the CPU (tests).
@@ -84,10 +93,12 @@ LLAMA2_7B = {"hidden": 4096, "ffn": 11008, "heads": 32, "layers": 32, "vocab": 3
 TINY = {"hidden": 64, "ffn": 172, "heads": 4, "layers": 2, "vocab": 256, "seq": 32}
 
 TRAIN_ARM = "llama2-7b"
-TRAIN_MEASURES = ("tokens/s", "TFLOP/s per GPU", "MFU", "peak memory", "size-rule estimate", "memory plan prediction")
+TRAIN_MEASURES = ("tokens/s", "TFLOP/s per GPU", "MFU, one GPU", "peak memory, one GPU", "size-rule estimate",
+                  "memory plan prediction")
 MEASURE = {"race": "poisoned elements read", "record_stream": "shard block recycled while read",
            "stall": "release stall | step time"}
 BAD_VERDICTS = ("FAIL", "ERROR", "INCONCLUSIVE")
+EMULATED = ("race", "record_stream", "stall")  # sections a dry run puts on the emulated asynchronous accelerator
 
 # --------------------------------------------------------------------------- pure logic (unit-tested on the CPU)
 
@@ -219,6 +230,14 @@ def memory_plan_prediction(shape: TrainShape) -> tuple[float | None, str]:
                            f"buffers {p.term('buffers') / GIB:.1f}, reserve {reserve / GIB:.1f})")
 
 
+def contained(fn: Callable, *args: Any) -> tuple[float | None, str]:
+    """``fn(*args)``, or (None, why it failed): for the annotations of a measurement, which must not lose it."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 -- any failure becomes a note in the table
+        return None, f"n/a ({type(e).__name__}: {e})"[:300]
+
+
 def race_rows(raw: dict) -> list[dict]:
     """Verdicts of the race: racy modes must read poison (else the check proves nothing), the others none."""
     rows = []
@@ -266,6 +285,8 @@ def record_stream_rows(raw: dict) -> list[dict]:
             verdict, result = "ERROR", f"{result}; DeepSpeed's gather read {d['shards_read']} of {d['shards']} shards"
         elif not raw["has_streams"]:
             verdict, result = "INFO", result + " (synchronous device)"
+        elif raw.get("emulated"):  # the emulator has no caching allocator: record_stream is recorded, not enforced
+            verdict, result = "INFO", result + " (emulated streams: no caching allocator)"
         elif not protected:
             verdict = "INFO"
         elif d["recycled"] or d["poisoned_read"] or d["wrong_read"]:
@@ -278,19 +299,32 @@ def record_stream_rows(raw: dict) -> list[dict]:
 
 
 def stall_rows(raw: dict) -> list[dict]:
-    """``ordered`` must never stall the host and must stall it less than ``sync``; every arm gathers exact bytes."""
+    """``ordered`` must never stall the host and must stall it less than ``sync``; every arm gathers exact bytes.
+
+    What one GPU shows: the host's blocked time in the release (the shard build) with the GPU kept busy by the
+    step's GEMMs, and the step time each arm pays over the GEMMs alone. What only several nodes show: a host blocked
+    in the release issues the next layer's inter-node gather late, so on a slow link the gather is no longer
+    hidden behind compute (here the hpZ group has one rank: no inter-node traffic), and the race's effect on a loss.
+    """
     by_arm = {d["arm"]: d for d in raw["arms"]}
     sync = by_arm.get("sync")
+    compute = raw.get("compute_ms")
     rows = []
     for d in raw["arms"]:
         syncs = d["host_syncs_per_step"]
         result = (f"{d['release_ms']:.2f} | {d['step_ms']:.2f} ms/step (fetch {d['fetch_ms']:.2f}), host syncs/step "
                   f"{'n/a' if syncs is None else syncs}, waits/step {d['waits_per_step'] or 0}, {d['steps']} steps, "
                   f"bytes {'ok' if d['bytes_ok'] else 'WRONG'}")
+        if compute is not None:
+            result += f", GEMMs alone {compute:.2f} ms (+{d['step_ms'] - compute:.2f})"
         if sync and d["arm"] != "sync":
-            result += f", step {d['step_ms'] / sync['step_ms']:.3f}x sync"
+            result += (f", step {d['step_ms'] / sync['step_ms']:.3f}x sync ({d['step_ms'] - sync['step_ms']:+.2f} ms), "
+                       f"host blocked {d['release_ms'] - sync['release_ms']:+.2f} ms vs sync")
         ordered = d["arm"] == "ordered"
-        fast = sync is None or d["release_ms"] < sync["release_ms"]
+        # The emulator orders work but has no timing: there only the counters are judged.
+        fast = sync is None or raw.get("emulated") or d["release_ms"] < sync["release_ms"]
+        if raw.get("emulated"):
+            result += " (emulated streams: times are the CPU's)"
         if d["shards_read_per_step"] != d["shard_copies_per_step"]:
             verdict, result = "ERROR", f"{result}; read {d['shards_read_per_step']} shards per step"
         elif not d["bytes_ok"]:
@@ -322,10 +356,12 @@ def train_rows(raw: dict) -> list[dict]:
             "PASS" if finite and raw["steps"] and checkpointed else "FAIL"),
         row("train", arm, "TFLOP/s per GPU", f"{t['tflops']:.1f} (model FLOPs {raw['flops_per_token'] / 1e9:.2f} "
             f"GFLOP/token, recomputation not counted)", "", "INFO"),
-        row("train", arm, "MFU", "n/a (unknown device peak)" if t["mfu"] is None else
-            f"{100 * t['mfu']:.1f}% of {peak:.0f} TFLOP/s dense bf16", "", "INFO"),
-        row("train", arm, "peak memory", f"{measured:.1f} GiB allocated, {raw['peak_reserved'] / GIB:.1f} GiB "
-            f"reserved, of {raw['device_total'] / GIB:.1f} GiB", "", "INFO"),
+        row("train", arm, "MFU, one GPU", "n/a (unknown device peak)" if t["mfu"] is None else
+            f"{100 * t['mfu']:.1f}% of {peak:.0f} TFLOP/s dense bf16 (one GPU: no gradient or parameter traffic; "
+            f"a multi-GPU run adds its exposed communication)", "", "INFO"),
+        row("train", arm, "peak memory, one GPU", f"{measured:.1f} GiB allocated, {raw['peak_reserved'] / GIB:.1f} GiB "
+            f"reserved, of {raw['device_total'] / GIB:.1f} GiB; memory plan for this shape: "
+            + (plan_note if plan_gib is None else f"{plan_gib:.1f} GiB"), "", "INFO"),
         row("train", arm, "size-rule estimate", f"{shape.estimate_bytes / GIB:.1f} GiB "
             f"({shape.estimate_bytes / max(raw['peak_allocated'], 1):.2f}x measured)", "", "INFO"),
         row("train", arm, "memory plan prediction",
@@ -341,8 +377,8 @@ ROWS_OF = {"race": race_rows, "record_stream": record_stream_rows, "stall": stal
 
 NEEDS = ("one NVIDIA GPU with bf16 (compute capability >= 8.0: A100, H100, H200); >= 16 GiB of GPU memory for the "
          "hpZ sections (race, record_stream, stall), >= 23 GiB for a reduced training step, ~127 GiB for full "
-         "Llama-2-7B (a 141 GB H200); a CUDA build of torch (torch==2.13.0 from PyPI on a Linux CUDA node) and an "
-         "NVIDIA driver that supports its CUDA version")
+         "Llama-2-7B (a 141 GB H200); a CUDA build of torch >= 2.11 (torch==2.13.0 from PyPI on a Linux CUDA node, "
+         "or the node's own) and an NVIDIA driver that supports its CUDA version")
 
 
 def format_table(title: str, rows: list[dict]) -> str:
@@ -372,9 +408,14 @@ def probe() -> dict:
 
     info = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "deepspeed": deepspeed.__version__,
             "modes": list(hpz.MODES), "reason": None}
-    if torch.version.cuda is None:
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version < MIN_TORCH:
+        info["reason"] = (f"torch {torch.__version__} is older than {'.'.join(map(str, MIN_TORCH))}, the oldest "
+                          f"zerotrain supports (docs/offline_install.md)")
+    elif torch.version.cuda is None:
         info["reason"] = (f"torch {torch.__version__} is a CPU-only build; on a Linux CUDA node "
-                          f"`pip install -r requirements.txt` installs PyPI's CUDA build of torch==2.13.0")
+                          f"`pip install -r requirements.txt` installs PyPI's CUDA build of torch==2.13.0; a node's "
+                          f"own CUDA torch >= 2.11 will do (docs/offline_install.md)")
     elif not torch.cuda.is_available():
         info["reason"] = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no GPU "
                           f"(check nvidia-smi, the driver version, CUDA_VISIBLE_DEVICES)")
@@ -577,22 +618,43 @@ def arm_counters(arm: str) -> dict | None:
 
 
 class Busy:
-    """Keeps the current (compute) stream busy for ``ms``: a spinning kernel, calibrated once. No-op without CUDA."""
+    """Keeps the current (compute) stream busy for ``ms``: a spinning kernel. No-op without CUDA.
+
+    ``torch.cuda._sleep`` spins for a number of SM clock cycles, so its duration follows the clock: an idle H200
+    reads 345 MHz and 1980 under load. The cycles per millisecond are therefore measured after a warm-up of bf16
+    GEMMs has brought the clocks up, as the median of five timed spins, the spread recorded beside it.
+    """
 
     def __init__(self, ms: float):
-        self.cycles = 0
+        self.ms, self.cycles, self.calibration = ms, 0, None
         if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-            self.cycles = int(10_000_000 * ms / start.elapsed_time(end))
+            self.calibration = calibrate_sleep()
+            self.cycles = int(self.calibration["cycles_per_ms"] * ms)
 
     def __call__(self) -> None:
         if self.cycles:
             torch.cuda._sleep(self.cycles)
+
+
+def calibrate_sleep(warmup_s: float = 1.0, probe_cycles: int = 20_000_000) -> dict:
+    """Cycles of ``torch.cuda._sleep`` per millisecond at steady (loaded) clocks, and how steady they were."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warmup_s:  # ~0.14 ms per GEMM on an H200: the clocks ramp up under load
+        for _ in range(20):
+            a = torch.mm(a, a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+    rates = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe_cycles)
+        end.record()
+        end.synchronize()
+        rates.append(probe_cycles / start.elapsed_time(end))
+    rates.sort()
+    return {"cycles_per_ms": rates[2], "min": rates[0], "max": rates[-1], "warmup_s": warmup_s,
+            "implied_mhz": rates[2] / 1e3}
 
 
 class PoisonFreshShards(contextlib.AbstractContextManager):
@@ -673,7 +735,9 @@ def race_section(opts: argparse.Namespace) -> dict:
         d["counters"] = arm_counters(arm)
         d["shards_read"] = SHARD_READS["params"]
         results.append(d)
-    return {"arms": results, "has_streams": not accel.is_synchronized_device(), "busy_cycles": busy.cycles}
+    return {"arms": results, "has_streams": not accel.is_synchronized_device(), "emulated": emulated(),
+            "busy_cycles": busy.cycles,
+            "busy_calibration": busy.calibration}
 
 
 def record_stream_section(opts: argparse.Namespace) -> dict:
@@ -706,7 +770,13 @@ def record_stream_section(opts: argparse.Namespace) -> dict:
         results.append({"arm": arm, "shards": len(params), "shards_read": SHARD_READS["params"],
                         "recycled": recycled, "elements_read": total, "poisoned_read": nan, "wrong_read": wrong,
                         "record_streams": counters["record_streams"] if counters else 0})
-    return {"arms": results, "has_streams": not accel.is_synchronized_device()}
+    return {"arms": results, "has_streams": not accel.is_synchronized_device(), "emulated": emulated()}
+
+
+def emulated() -> bool:
+    from zerotrain.hpz import async_emulator
+
+    return async_emulator.is_installed()
 
 
 class LayerCompute:
@@ -787,7 +857,31 @@ def stall_section(opts: argparse.Namespace) -> dict:
                             "waits_per_step": c["waits_issued"] // steps if c else None,
                             "shard_copies_per_step": sum(len(zero3.params(x)) for x in zero3.layers),
                             "shards_read_per_step": SHARD_READS["params"] // steps, "bytes_ok": exact})
-    return {"arms": results, "has_streams": not accel.is_synchronized_device(), "layers": n_layers, "tokens": tokens}
+        # The same GEMMs without ZeRO: the GPU time of a step, so each arm's step time minus it is what the arm
+        # leaves the GPU idle (launch gaps after a blocked host, gathers not hidden).
+        zero3.fetch(zero3.layers[0], forward=True)
+        weights = zero3.params(zero3.layers[0])  # layer 0's, the same shapes as every layer's
+        for _ in range(warmup):
+            compute_step(weights, n_layers, compute)
+        compute_times = []
+        for _ in range(steps):
+            accel.synchronize()
+            t0 = time.perf_counter()
+            compute_step(weights, n_layers, compute)
+            accel.synchronize()
+            compute_times.append(time.perf_counter() - t0)
+        zero3.release(zero3.layers[0], forward=True)
+    return {"arms": results, "has_streams": not accel.is_synchronized_device(), "emulated": emulated(),
+            "layers": n_layers, "tokens": tokens,
+            "compute_ms": 1e3 * sum(compute_times) / steps, "compute_ms_min": 1e3 * min(compute_times)}
+
+
+def compute_step(weights: list[torch.Tensor], n_layers: int, compute: LayerCompute) -> None:
+    """A stall step's GEMMs alone, on weights gathered once."""
+    for _ in range(n_layers):
+        compute.forward(weights)
+    for _ in range(n_layers):
+        compute.backward(weights)
 
 
 def train_section(opts: argparse.Namespace) -> dict:
@@ -810,6 +904,8 @@ def train_section(opts: argparse.Namespace) -> dict:
         if shape is None:
             return {"skipped": train_requirement(device_bytes, opts.quick)}
     warmup, steps = (1, 2) if opts.tiny else ((2, 4) if opts.quick else (3, 10))
+    # Before training, and contained: a failure of the plan must not cost the measurement.
+    plan = (None, "n/a: the tiny CPU shape") if opts.tiny else contained(memory_plan_prediction, shape)
     init_world_of_one()
     ds_config = {"train_micro_batch_size_per_gpu": shape.micro_batch, "gradient_accumulation_steps": 1,
                  "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
@@ -850,7 +946,6 @@ def train_section(opts: argparse.Namespace) -> dict:
             break
     accel.synchronize()
     seconds = time.perf_counter() - t0
-    plan = (None, "n/a: the tiny CPU shape") if opts.tiny else memory_plan_prediction(shape)
     return {"shape": asdict(shape), "warmup": warmup, "steps": len(losses), "seconds": seconds,
             "tokens": len(losses) * shape.micro_batch * shape.seq_len, "losses": [float(x) for x in losses],
             "flops_per_token": flops, "peak_tflops": metrics.peak_tflops("bf16"),
@@ -859,11 +954,28 @@ def train_section(opts: argparse.Namespace) -> dict:
             "device": metrics.device_name(), "activation_checkpointing": checkpointing}
 
 
-RUNNERS = {"probe": lambda opts: probe(), "race": race_section, "record_stream": record_stream_section,
+def dry_probe() -> dict:
+    """The probe of a dry run: also JIT-builds DeepSpeed's CPU shared-memory comm op (once per TORCH_EXTENSIONS_DIR)
+    under the probe's longer budget, so no section is killed mid-build (which would leave the build's lock behind
+    and hang every later section)."""
+    from deepspeed.comm.torch import build_shm_op
+
+    info = probe()
+    t0 = time.perf_counter()
+    info["shm_comm_op"] = build_shm_op() is not None
+    info["shm_comm_op_s"] = time.perf_counter() - t0
+    return info
+
+
+RUNNERS = {"probe": lambda opts: dry_probe() if opts.tiny else probe(), "race": race_section, "record_stream": record_stream_section,
            "stall": stall_section, "train": train_section}
 
 
 def run_child(opts: argparse.Namespace) -> int:
+    if opts.emulate:  # first: before DeepSpeed asks the accelerator for streams
+        from zerotrain.hpz import async_emulator
+
+        async_emulator.install(poison=float("nan"))
     from zerotrain import hpz
 
     opts.modes = list(hpz.MODES)
@@ -883,17 +995,21 @@ def _free_port() -> int:
 
 def run_in_child(section: str, args: argparse.Namespace, log: Path, gpu: bool) -> tuple[dict | None, str]:
     """Run one section in its own process within its budget: (result, "") or (None, why it has none)."""
-    budget = BUDGET_S[section][int(args.quick)]
+    budget = section_budget(section, args)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--run-section", section, "--section-out", str(out),
                "--budget-s", str(budget)] + (["--quick"] if args.quick else [])
         if args.train_layers:
             cmd += ["--train-layers", str(args.train_layers)]
+        if args.dry_run:  # tiny shapes on the CPU; emulated streams for the sections whose code paths need them
+            cmd += ["--tiny"] + (["--emulate"] if section in EMULATED else [])
         # A world of one of its own, whatever launcher (SLURM, torchrun) the check itself was started under.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-        if gpu:
+        if args.dry_run:
+            env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+        elif gpu:
             env["DS_ACCELERATOR"] = "cuda"  # a Makefile's DS_ACCELERATOR=cpu must not win on a GPU node
         with log.open("a") as f:
             f.write(f"\n===== {section}: {' '.join(cmd)}\n")
@@ -913,71 +1029,132 @@ def run_in_child(section: str, args: argparse.Namespace, log: Path, gpu: bool) -
         return json.loads(out.read_text()), ""
 
 
+def section_budget(section: str, args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return DRY_PROBE_BUDGET_S if section == "probe" else DRY_BUDGET_S
+    return BUDGET_S[section][int(args.quick)]
+
+
 def _last_error_line(log: Path) -> str:
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error" in ln or "error" in ln]
     return (errors or lines or ["no output"])[-1][:200]
 
 
+def format_markdown(title: str, rows: list[dict]) -> str:
+    header = ("section", "arm", "measure", "result", "expected", "verdict")
+    lines = [f"# {title.splitlines()[0]}", ""] + [f"{ln}  " for ln in title.splitlines()[1:]]
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(r[k]).replace("|", "\\|") for k in header) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+def device_probe(args: argparse.Namespace, log: Path) -> tuple[dict | None, str]:
+    if not args.dry_run:
+        return run_in_child("probe", args, log, gpu=torch.cuda.is_available())
+    device, why = run_in_child("probe", args, log, gpu=False)
+    if device is not None:  # the CPU stands in for the GPU: nothing is skipped
+        device.update(reason=None, name="CPU (dry run: tiny shapes, emulated streams)", total_memory=0,
+                      capability="n/a")
+    return device, why
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # through run_in_child's handler, which kills the section's process group
+
+
 def check(args: argparse.Namespace) -> int:
-    out = Path(args.json)
-    log = out.with_suffix(".log")
-    log.parent.mkdir(parents=True, exist_ok=True)
+    """Run the sections one by one; each one's JSON and Markdown are written as soon as it ends, then the summary."""
+    signal.signal(signal.SIGTERM, _terminated)  # `timeout` must not leave a section running on the GPU
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = Path(args.json) if args.json else out_dir / "gpu_check.json"
+    log = out_dir / "gpu_check.log"
     log.write_text("")
-    device, why = run_in_child("probe", args, log, gpu=torch.cuda.is_available())
+    device, why = device_probe(args, log)
     if device is None:
         print(f"gpu_check.py: the device probe failed: {why}", file=sys.stderr)
         return 2
     modes = device["modes"]
+    name = device.get("name", "no GPU")
+    memory = (f" ({device['total_memory'] / GIB:.1f} GiB, sm {device['capability']})" if device.get("total_memory")
+              else "")
+    title = (f"zerotrain GPU check{' --quick' if args.quick else ''}{' --dry-run' if args.dry_run else ''}: {name}"
+             f"{memory}, torch {device['torch']} (CUDA {device['torch_cuda']}), DeepSpeed {device['deepspeed']}, "
+             f"hpZ modes {', '.join(modes)}")
+    if device["reason"] is not None:
+        title += f"\n{'no GPU: ' if 'name' not in device else ''}skipped ({device['reason']})\nneeds: {NEEDS}"
+    if args.dry_run:
+        title += ("\ndry run: every section's code on the CPU with tiny shapes; race, record_stream and stall through "
+                  "the emulated asynchronous accelerator (ordering, not timing): no number here is a GPU's")
     rows, sections = [], {}
     for section in args.sections:
         t0 = time.monotonic()
         raw, error = None, ""
-        skipped = device["reason"] or section_requirement(section, device, args.quick)
+        skipped = device["reason"] or (None if args.dry_run else section_requirement(section, device, args.quick))
         if skipped is None:
             raw, error = run_in_child(section, args, log, gpu=True)
             skipped = (raw or {}).get("skipped")
         if device["reason"] is not None:
             gpu_less = "name" not in device  # a GPU without bf16 is not "no GPU"
-            rows += planned_rows(section, modes, "SKIPPED", "no GPU: skipped" if gpu_less else "skipped", skipped)
+            new = planned_rows(section, modes, "SKIPPED", "no GPU: skipped" if gpu_less else "skipped", skipped)
         elif skipped is not None:
-            rows += planned_rows(section, modes, "SKIPPED", f"skipped: {skipped}", skipped)
+            new = planned_rows(section, modes, "SKIPPED", f"skipped: {skipped}", skipped)
         elif raw is None:
-            rows += planned_rows(section, modes, "ERROR", error, error)
+            new = planned_rows(section, modes, "ERROR", error, error)
         else:
-            rows += ROWS_OF[section](raw)
-        sections[section] = {"budget_s": BUDGET_S[section][int(args.quick)], "elapsed_s": time.monotonic() - t0,
+            new = ROWS_OF[section](raw)
+        rows += new
+        sections[section] = {"budget_s": section_budget(section, args), "elapsed_s": time.monotonic() - t0,
                              "skipped": skipped, "error": error or None, "raw": raw}
-    name = device.get("name", "no GPU")
-    memory = f" ({device['total_memory'] / GIB:.1f} GiB, sm {device['capability']})" if "total_memory" in device else ""
-    title = (f"zerotrain GPU check{' --quick' if args.quick else ''}: {name}{memory}, torch {device['torch']} "
-             f"(CUDA {device['torch_cuda']}), DeepSpeed {device['deepspeed']}, hpZ modes {', '.join(modes)}")
-    if device["reason"] is not None:
-        title += f"\n{'no GPU: ' if 'name' not in device else ''}skipped ({device['reason']})\nneeds: {NEEDS}"
+        write_json_atomically(out_dir / f"{section}.json", {"title": title, **sections[section], "rows": new})
+        write_text_atomically(out_dir / f"{section}.md", format_markdown(title, new))
+        print(f"[{section}: {sections[section]['elapsed_s']:.0f} s of {sections[section]['budget_s']} s] "
+              f"{out_dir / section}.json, .md", flush=True)
+        write_summary(summary, title, args, device, sections, rows)
     print(format_table(title, rows))
+    ok, checked = write_summary(summary, title, args, device, sections, rows)
+    verdict = "SOME CHECKS FAILED" if not ok else ("all checks passed" if checked else "nothing was checked")
+    print(f"\n{verdict}; JSON: {summary}; Markdown: {summary.with_suffix('.md')}; section output: {log}")
+    return 0 if ok else 1
+
+
+def write_summary(path: Path, title: str, args: argparse.Namespace, device: dict, sections: dict,
+                  rows: list[dict]) -> tuple[bool, bool]:
     ok = not any(r["verdict"] in BAD_VERDICTS for r in rows)
     checked = any(r["verdict"] != "SKIPPED" for r in rows)
-    write_json_atomically(out, {"title": title, "command": [sys.executable] + sys.argv, "quick": args.quick,
-                                "device": device, "sections": sections, "rows": rows, "ok": ok, "checked": checked})
-    verdict = "SOME CHECKS FAILED" if not ok else ("all checks passed" if checked else "nothing was checked")
-    print(f"\n{verdict}; JSON: {out}; section output: {log}")
-    return 0 if ok else 1
+    write_json_atomically(path, {"title": title, "command": [sys.executable] + sys.argv, "quick": args.quick,
+                                 "dry_run": args.dry_run, "device": device, "sections": sections, "rows": rows,
+                                 "ok": ok, "checked": checked})
+    write_text_atomically(path.with_suffix(".md"), format_markdown(title, rows))
+    return ok, checked
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default="runs/gpu_check.json", help="where to write the results (default: %(default)s)")
+    ap.add_argument("--out", default="runs/gpu_check", help="directory for each section's JSON and Markdown, the "
+                    "summary and the log (default: %(default)s)")
+    ap.add_argument("--json", default=None, help="the summary's JSON file (default: OUT/gpu_check.json)")
     ap.add_argument("--quick", action="store_true", help="the 2-minute subset")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="every section's code on the CPU with tiny shapes (emulated streams): no GPU needed")
     ap.add_argument("--sections", default=",".join(SECTIONS), type=_sections,
                     help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     ap.add_argument("--train-layers", type=_train_layers, default=None,
                     help="Llama-2-7B layers in the training step, 2-32 (default: as many as the size rule fits)")
     # Internal: the parent runs each section as `--run-section NAME --section-out FILE`; --tiny runs the same code
-    # on tiny shapes, on any DeepSpeed accelerator (the CPU tests).
+    # on tiny shapes, on any DeepSpeed accelerator; --emulate on the emulated asynchronous one (the dry run).
     ap.add_argument("--run-section", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     ap.add_argument("--section-out", help=argparse.SUPPRESS)
     ap.add_argument("--budget-s", type=float, default=600.0, help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--emulate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.run_section and not args.section_out:
         ap.error("--run-section needs --section-out")
