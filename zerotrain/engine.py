@@ -245,10 +245,10 @@ def deepspeed_config(zero: Mapping[str, Any], *, micro_batch_size: int, grad_acc
     """The dict handed to DeepSpeed (and saved with the run as ``deepspeed_config.json``); ``extra``: the
     ``deepspeed`` section's top-level keys, merged over the builder's defaults (checked by
     :func:`validate_deepspeed_keys`)."""
-    zero = copy.deepcopy(dict(zero))
-    if "zero_hpz_partition_size" in zero:
-        zero["zero_hpz_partition_size"] = hpz_size
-    return {**_built(zero, micro_batch_size, grad_accum, grad_clip, precision, seed, dp_size),
+    section: dict[str, Any] = copy.deepcopy(dict(zero))
+    if "zero_hpz_partition_size" in section:
+        section["zero_hpz_partition_size"] = hpz_size
+    return {**_built(section, micro_batch_size, grad_accum, grad_clip, precision, seed, dp_size),
             **copy.deepcopy(dict(extra or {}))}
 
 
@@ -272,7 +272,8 @@ def _built(zero: dict[str, Any], micro_batch_size: int, grad_accum: int, grad_cl
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices, not norms and biases (GPT-2/nanoGPT convention). ZeRO-3 flattens partitioned parameters,
     so the original rank comes from ``ds_shape``."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if not param.requires_grad:
             continue
@@ -284,7 +285,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
 def build_optimizer(optim: OptimConfig, model: torch.nn.Module, impl: OptimizerImpl) -> torch.optim.Optimizer:
     """The optimizer over ``model``'s parameter groups, with the implementation :func:`resolve_impl` chose."""
     groups = _param_groups(model, optim.weight_decay)
-    kwargs = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps}
+    kwargs: dict[str, Any] = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps}
     adamw = optim.name == OptimizerName.adamw
     if impl == OptimizerImpl.deepspeed_fused:
         from deepspeed.ops.adam import FusedAdam
@@ -296,7 +297,7 @@ def build_optimizer(optim: OptimConfig, model: torch.nn.Module, impl: OptimizerI
         return DeepSpeedCPUAdam(groups, adamw_mode=adamw, **kwargs)
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     # One fused kernel per step on CUDA (torch 2.13 has it for CPU tensors too, but foreach is the tested path there).
-    fast = {"fused": True} if get_accelerator().device_name() == "cuda" else {"foreach": True}
+    fast: dict[str, Any] = {"fused": True} if get_accelerator().device_name() == "cuda" else {"foreach": True}
     return cls(groups, **kwargs, **fast)
 
 

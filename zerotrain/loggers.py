@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from zerotrain import durable
 
@@ -151,7 +151,7 @@ class WandbMetrics:
             dir=str(run_dir),
             id=run_id,
             resume="allow",
-            mode=mode,
+            mode=cast(Any, mode),  # wandb_mode() gives one of W&B's mode names
         )
         self.run.define_metric(WANDB_STEP_KEY)
         self.run.define_metric("*", step_metric=WANDB_STEP_KEY)
@@ -197,6 +197,7 @@ class MetricsLogger:
         self.wandb = WandbMetrics(wandb, run_name, run_config, run_dir, wandb_run_id) if enabled else None
         self.wandb_logged_step = 0
         if is_main:
+            assert self.jsonl is not None
             self.wandb_logged_step = _wandb_logged_step(run_dir / WANDB_LOGGED_MARK, resume_step, wandb_run_id,
                                                         self.jsonl.last_logged_step)
 
@@ -217,6 +218,7 @@ class MetricsLogger:
         self._write({"step": step, **metrics})
 
     def _write(self, record: dict[str, Any]) -> None:
+        assert self.jsonl is not None  # only the main rank writes, and it has the file
         self.jsonl.write(record)
         if self.wandb and record["step"] > self.wandb_logged_step:
             self.wandb.write(record)

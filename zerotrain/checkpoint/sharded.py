@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional, cast
 
 import torch
 
@@ -226,7 +226,7 @@ def save(engine, root: Path, state: TrainState, rank_state: dict[str, Any], conf
         try:
             own = rank_file(partial, rank)
             with durable.checksummed_file(own) as f:
-                torch.save(rank_state, f)
+                torch.save(rank_state, cast(IO[bytes], f))  # a binary file object; typeshed's RawIOBase is no IO
             written[str(own.relative_to(partial))] = [f.size, f.crc32]
         except OSError as e:
             error = e

@@ -53,7 +53,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import IO, Any, Callable, Optional, TypeVar, cast
 
 import numpy as np
 import torch
@@ -194,7 +194,7 @@ def convert(tag_dir: Path, workers: int = 1, verify: bool = True) -> Path:
         (staging / OURS).mkdir()
         files: dict[str, dict[str, int]] = {}
         with durable.checksummed_file(staging / OURS / RANK_STATE) as f:
-            torch.save(rank_state, f)
+            torch.save(rank_state, cast(IO[bytes], f))  # a binary file object; typeshed's RawIOBase is no IO
         for path in sorted(p for p in staging.rglob("*") if p.is_file()):  # DeepSpeed's writes: hashed from disk
             files[str(path.relative_to(staging))] = {"bytes": path.stat().st_size, "crc32": durable.file_crc32(path)}
         seconds = time.perf_counter() - started

@@ -63,7 +63,7 @@ def _question(row: Any, where: str) -> Question:
         answer = parse_answer(row.get("answer"), where)
     except Exception as e:  # noqa: BLE001 -- the evaluator's MalformedRowError, re-raised as a data error
         raise DataError(str(e)) from None
-    return Question("", question, tuple(choices), answer, where)  # type: ignore[arg-type]
+    return Question("", question, tuple(choices), answer, where)
 
 
 def _rows(path: Path) -> Iterator[tuple[Any, str]]:

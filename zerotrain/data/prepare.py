@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, cast
 
 from tqdm import tqdm
 
@@ -129,11 +129,13 @@ def validate(cfg: PrepareConfig) -> None:
 def record_stream(cfg: PrepareConfig) -> tuple[Callable[[], Iterator[Record]], dict]:
     """A function that (re)opens the record stream, and the manifest's description of the source."""
     if cfg.hf_dataset is not None:
-        source = describe_hf(cfg.hf_dataset, cfg.hf_config, cfg.hf_split, cfg.hf_streaming)
+        dataset = cfg.hf_dataset
+        source = describe_hf(dataset, cfg.hf_config, cfg.hf_split, cfg.hf_streaming)
 
         def records() -> Iterator[Record]:
-            return iter_hf_records(cfg.hf_dataset, cfg.hf_config, cfg.hf_split, cfg.hf_streaming, cfg.hf_cache_dir)
+            return iter_hf_records(dataset, cfg.hf_config, cfg.hf_split, cfg.hf_streaming, cfg.hf_cache_dir)
     else:
+        assert cfg.input is not None  # exactly one of input / hf_dataset (checked above)
         files = expand_inputs(cfg.input)
         source = describe_files(files)
 
@@ -282,7 +284,7 @@ def build_manifest(cfg: PrepareConfig, tokenizer: Tokenizer, tokenizer_source: s
             "bos": bool(cfg.add_bos and tokenizer.bos_id not in (None, tokenizer.eos_id)),
             "eos": True,
             "chat_template": cfg.chat_template if cfg.kind == "sft" else None,
-            **({"chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()}
+            **({"chat_template_sha256": hashlib.sha256(cast(str, tokenizer.chat_template).encode()).hexdigest()}
                if cfg.kind == "sft" and cfg.chat_template == "tokenizer" else {}),
         },
         "splits": splits,

@@ -239,7 +239,7 @@ def encode_parts(parts: list[Part], tokenizer: Tokenizer) -> tuple[list[int], li
     ids: list[int] = []
     mask: list[int] = []
     run: list[Text] = []
-    for part in parts + [None]:  # type: ignore[list-item]  # None flushes the last run of text
+    for part in [*parts, None]:  # None flushes the last run of text
         if isinstance(part, Text):
             run.append(part)
             continue

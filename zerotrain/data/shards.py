@@ -117,6 +117,7 @@ class SplitWriter:
 
     def _close_shard(self) -> None:
         shard, self._open = self._open, None
+        assert shard is not None  # called with a shard open
         files = {
             kind: {"path": f"{shard['stem']}.{kind}.bin", "sha256": handle.close()}
             for kind, handle in shard["files"].items()

@@ -45,7 +45,7 @@ import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from zerotrain.errors import DataError
 
@@ -301,7 +301,8 @@ class SentencePieceTokenizer(FileTokenizer):
         from transformers.convert_slow_tokenizer import SentencePieceExtractor, SpmConverter
 
         extractor = SentencePieceExtractor(str(self.path))
-        vocab = extractor.extract(None)["vocab"]  # None: BPE or Unigram, as the model file says
+        # None: BPE or Unigram, as the model file says. transformers annotates a tuple; this extractor returns a dict.
+        vocab = cast(dict, extractor.extract(None))["vocab"]
         tokenizer = SpmConverter.build_tokenizer_from_spm_proto(extractor.proto, vocab, legacy=True)
         special = [i for i in range(self.vocab_size) if self._sp.is_control(i) or self._sp.is_unknown(i)]
         tokenizer.add_special_tokens([AddedToken(self.token_text(i), special=True, normalized=False)
@@ -396,7 +397,10 @@ class TokenizerJson(FileTokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
-        return self._tok.id_to_token(token_id)
+        text = self._tok.id_to_token(token_id)
+        if text is None:
+            raise ValueError(f"token id {token_id} is not in the tokenizer's vocabulary (size {self.vocab_size})")
+        return text
 
     def special_tokens(self) -> dict[str, int]:
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
@@ -591,7 +595,7 @@ def train_sentencepiece(
     out_path = Path(out_path)
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
-    options = dict(LLAMA2_TRAINER_SPEC, vocab_size=vocab_size, input_sentence_size=max_sentences)
+    options: dict[str, Any] = dict(LLAMA2_TRAINER_SPEC, vocab_size=vocab_size, input_sentence_size=max_sentences)
     try:
         spm.SentencePieceTrainer.train(sentence_iterator=_lines(texts), model_writer=model, **options)
     except RuntimeError as e:

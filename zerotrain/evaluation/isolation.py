@@ -39,6 +39,8 @@ def preserved_rng_state() -> Iterator[None]:
     cpu_state = torch.get_rng_state()
     accel = _accelerator_module()
     accel_states = accel.get_rng_state_all() if accel is not None else None
+    np: Any
+    numpy_state: Any
     try:
         import numpy as np
 

@@ -74,7 +74,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -216,6 +216,7 @@ class EmulatedEvent:
     def synchronize(self) -> None:
         with _lock:
             if self._frontier is not None:
+                assert self._stream is not None  # recorded together with the frontier
                 _core()._count("event_synchronize", self._stream.name)
                 _core()._host_wait(self._frontier)
 
@@ -235,7 +236,10 @@ def _accelerator_base():
     return CPU_Accelerator
 
 
-class AsyncEmulatorAccelerator(_accelerator_base()):
+_AcceleratorBase: Any = _accelerator_base()  # a class the checker cannot see (DeepSpeed ships no types)
+
+
+class AsyncEmulatorAccelerator(_AcceleratorBase):
     """DeepSpeed's CPU accelerator, reporting (emulated) asynchronous streams."""
 
     def is_synchronized_device(self) -> bool:
@@ -338,7 +342,7 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
         return (0, 0)
     start = t.storage_offset() * t.element_size()
     extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    return (start, start + extent * t.element_size())
+    return cast(tuple[int, int], (start, start + extent * t.element_size()))  # ints: no symbolic shapes here
 
 
 _ALLOC_OPS = frozenset({
@@ -589,14 +593,14 @@ class _Emulator:
     def access(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Check every tensor argument against pending writes; a racy read gets the pre-write contents."""
         reader = self.current_stream()
-        args, kwargs = list(args), dict(kwargs)
+        values, kwargs = list(args), dict(kwargs)
         for i, schema in enumerate(func._schema.arguments):
             writes = schema.alias_info is not None and schema.alias_info.is_write
-            if i < len(args):
-                args[i] = self._access_value(args[i], reader, func, writes)
+            if i < len(values):
+                values[i] = self._access_value(values[i], reader, func, writes)
             elif schema.name in kwargs:
                 kwargs[schema.name] = self._access_value(kwargs[schema.name], reader, func, writes)
-        return tuple(args), kwargs
+        return tuple(values), kwargs
 
     def _access_value(self, value: Any, reader: EmulatedStream, func: Any, writes: bool) -> Any:
         if isinstance(value, torch.Tensor):
@@ -608,15 +612,17 @@ class _Emulator:
     def _access_tensor(self, t: torch.Tensor, reader: EmulatedStream, func: Any, writes: bool) -> torch.Tensor:
         if t.device.type != "cpu" or not self._pending:
             return t
-        state = self._pending.get(_key(t))
-        if state is None or self.shard_id(t) is None:  # not shard memory, or outside a pool shard's byte range
+        key = _key(t)
+        state = self._pending.get(key) if key is not None else None
+        # not shard memory, or outside a pool shard's byte range
+        if key is None or state is None or self.shard_id(t) is None:
             return t
         unordered = [w for w in state.writes if not self._ordered(reader, w)]
         if not unordered:
             for w in state.writes:
                 self._flush(w.stream, w.seq + 1, "program_order" if w.stream is reader else "ordered")
             return t
-        self._record("write" if writes else "read", _key(t), reader, unordered[0].stream, func)
+        self._record("write" if writes else "read", key, reader, unordered[0].stream, func)
         if writes or state.pre_image is None:
             return t  # the writes have not run: the live memory is what the read would see
         with _executing():
@@ -779,6 +785,7 @@ def install(poison: float = DEFAULT_POISON, *, label_engine_phases: bool = True)
     global _mode, _patches, _previous_accelerator, _install_thread, _emulator
     with _lock:
         if _mode is not None:
+            assert _emulator is not None  # installed together with _mode
             if _emulator.poison != poison:
                 raise EmulatorError(f"already installed with poison={_emulator.poison}; uninstall() first")
             from deepspeed.accelerator import get_accelerator
@@ -877,6 +884,7 @@ def uninstall() -> None:
         if threading.get_ident() != _install_thread:
             raise EmulatorError("uninstall() must run on the thread that called install() (the dispatch mode "
                                 "stack is per thread)")
+        assert _emulator is not None and _patches is not None  # installed together with _mode
         _emulator.drain()
         _mode.__exit__(None, None, None)
         _patches.restore()

@@ -135,7 +135,7 @@ def parse_record(record: Any, where: str, *, subject: str | None = None) -> Ques
     return Question(
         subject=check_subject(record["subject"], where=where),
         question=question,
-        choices=tuple(choices),  # type: ignore[arg-type]
+        choices=tuple(choices),
         answer=parse_answer(record["answer"], where),
         source=where,
     )

@@ -53,12 +53,16 @@ def prepare_mmlu(
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     tok = as_tokenizer(tokenizer)
-    encoded, skipped = [], []
+    encoded: list[EncodedQuestion] = []
+    skipped: list[SkippedQuestion] = []
     for index, question in enumerate(data.questions):
         item = encode_question(
             index, question, data.fewshot.get(question.subject, []), tok, max_length, on_too_long
         )
-        (encoded if isinstance(item, EncodedQuestion) else skipped).append(item)
+        if isinstance(item, EncodedQuestion):
+            encoded.append(item)
+        else:
+            skipped.append(item)
     return PreparedMMLU(data, encoded, skipped, max_length)
 
 
