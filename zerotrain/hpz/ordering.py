@@ -35,7 +35,7 @@ they count only operations really issued.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional, cast
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -45,6 +45,7 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.profiling import trace_range
 
 from . import counting
+from .zero_param import ZeroParam, ZeroShard
 from .config import HpzMode
 
 MODES = tuple(mode.value for mode in HpzMode)  # the hpz.mode values, as plain strings
@@ -82,7 +83,7 @@ def needs_ordering(accel: Any) -> bool:
 # --------------------------------------------------------------------------- writer
 
 
-def build_secondary_shard(init: Any, param: torch.nn.Parameter, has_been_updated: bool = False,
+def build_secondary_shard(init: Any, param: ZeroParam, has_been_updated: bool = False,
                           fallback: Optional[Callable[..., None]] = None) -> None:
     """Replacement for ``Init._partition_param_sec`` (same contract, mode-aware ordering).
 
@@ -117,7 +118,7 @@ def build_secondary_shard(init: Any, param: torch.nn.Parameter, has_been_updated
 
     shard_numel = init._aligned_size(param) // init.num_ranks_in_param_group
     fresh = shard is None
-    if fresh:
+    if shard is None:
         shard = _new_shard(init, param, shard_numel)
 
     start = shard_numel * init.rank_in_group
@@ -135,8 +136,8 @@ def build_secondary_shard(init: Any, param: torch.nn.Parameter, has_been_updated
     param.ds_secondary_tensor = shard
 
 
-def _new_shard(init: Any, param: torch.nn.Parameter, shard_numel: int) -> torch.Tensor:
-    shard = torch.empty(shard_numel, dtype=param.dtype, device=init.remote_device)
+def _new_shard(init: Any, param: ZeroParam, shard_numel: int) -> ZeroShard:
+    shard = cast(ZeroShard, torch.empty(shard_numel, dtype=param.dtype, device=init.remote_device))
     if init.pin_memory:
         shard = get_accelerator().pin_memory(shard)
     shard.requires_grad = False
@@ -146,7 +147,7 @@ def _new_shard(init: Any, param: torch.nn.Parameter, shard_numel: int) -> torch.
     return shard
 
 
-def _build_legacy(init: Any, param: torch.nn.Parameter) -> None:
+def _build_legacy(init: Any, param: ZeroParam) -> None:
     """DeepSpeed <= 0.13.4's secondary partition, reproduced (not copied) for the paper's baseline.
 
     What differs from today: the shard is published before it is written; it is
@@ -171,6 +172,7 @@ def _build_legacy(init: Any, param: torch.nn.Parameter) -> None:
     if fresh:
         param.ds_secondary_tensor = _new_shard(init, param, shard_numel)  # published before it holds data
     shard = param.ds_secondary_tensor
+    assert shard is not None  # built just above when missing
 
     numel = param.ds_numel
     sec_start = shard_numel * init.rank_in_group
@@ -194,7 +196,7 @@ def _build_legacy(init: Any, param: torch.nn.Parameter) -> None:
     counting.bump("shard_copies")
 
 
-def _order_after_copy(shard: torch.Tensor, param: torch.nn.Parameter) -> None:
+def _order_after_copy(shard: torch.Tensor, param: ZeroParam) -> None:
     """Make the just-enqueued shard copy safe to read, the way the active mode prescribes."""
     accel = get_accelerator()
     setattr(shard, EVENT_ATTR, None)
@@ -220,7 +222,7 @@ def _order_after_copy(shard: torch.Tensor, param: torch.nn.Parameter) -> None:
     _protect_copy_source(param, stream)
 
 
-def _protect_copy_source(param: torch.nn.Parameter, stream: Any) -> None:
+def _protect_copy_source(param: ZeroParam, stream: Any) -> None:
     """Keep the gathered parameter's memory from being recycled before the copy on ``stream`` has read it.
 
     The gathered parameter is allocated on the all-gather stream. DeepSpeed's
@@ -241,7 +243,7 @@ def _protect_copy_source(param: torch.nn.Parameter, stream: Any) -> None:
 # --------------------------------------------------------------------------- reader
 
 
-def secondary_readers(params: Iterable[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+def secondary_readers(params: Iterable[ZeroParam]) -> List[ZeroParam]:
     """The parameters an all-gather is about to serve from their secondary shard.
 
     Mirrors the coordinator's split: only NOT_AVAILABLE parameters are gathered,
@@ -250,7 +252,7 @@ def secondary_readers(params: Iterable[torch.nn.Parameter]) -> List[torch.nn.Par
     return [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE and p.ds_secondary_tensor is not None]
 
 
-def before_secondary_read(readers: List[torch.nn.Parameter], allgather_stream: Any, forward: bool = True) -> None:
+def before_secondary_read(readers: List[ZeroParam], allgather_stream: Any, forward: bool = True) -> None:
     """Order the all-gather stream after the copies of exactly the shards in ``readers``.
 
     Must be called before the all-gather is enqueued. A stream-level wait
@@ -285,6 +287,7 @@ def before_secondary_read(readers: List[torch.nn.Parameter], allgather_stream: A
             # Built by another mode, by DeepSpeed's own (syncing) path, or quantised in place by the
             # ZeRO-3 optimizer at start-up (which synchronises the device afterwards): already safe.
             continue
+        assert shard is not None  # it carries the event
         allgather_stream.wait_event(event)
         waits += 1
         # The shard lives in the compute stream's pool; without this a shard dropped while a read

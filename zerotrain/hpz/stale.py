@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 
 from . import counting
+from .zero_param import zero_param
 
 
 def invalidate_shards(params: Iterable[torch.nn.Parameter]) -> int:
@@ -30,7 +31,7 @@ def invalidate_shards(params: Iterable[torch.nn.Parameter]) -> int:
     dropped = 0
     for param in params:
         if getattr(param, "ds_secondary_tensor", None) is not None:
-            param.ds_secondary_tensor = None
+            zero_param(param).ds_secondary_tensor = None
             dropped += 1
     counting.bump("shards_invalidated", dropped)
     return dropped

@@ -29,6 +29,7 @@ import torch
 from zerotrain.errors import HpzVerificationError
 
 from . import counting
+from .zero_param import ZeroParam, zero_param
 
 # ds_id -> (qualified name, weak reference to the owning engine). ds_ids are
 # unique per process (a class-level counter in zero.Init), so engines can share it.
@@ -41,11 +42,11 @@ def register_engine(engine: Any) -> None:
     ref = weakref.ref(engine)
     for name, param in engine.module.named_parameters():
         if hasattr(param, "ds_id"):
-            _param_info[param.ds_id] = (name, ref)
+            _param_info[zero_param(param).ds_id] = (name, ref)
 
 
-def _describe(param: torch.nn.Parameter) -> Tuple[str, Optional[int]]:
-    name, ref = _param_info.get(param.ds_id, (None, None))
+def _describe(param: ZeroParam) -> Tuple[str, Optional[int]]:
+    name, ref = _param_info.get(param.ds_id) or (None, None)
     engine = ref() if ref is not None else None
     step = getattr(engine, "global_steps", None) if engine is not None else None
     return name or "<unknown>", step
@@ -70,7 +71,7 @@ def _valid(numel: int, start: int, size: int) -> int:
     return max(0, min(numel - start, size))
 
 
-def check_shards(readers: List[torch.nn.Parameter]) -> None:
+def check_shards(readers: List[ZeroParam]) -> None:
     """Raise :class:`HpzVerificationError` if any rank's shard of any reader is stale or corrupt.
 
     Collective over the readers' partition group: call it on every rank with
@@ -90,6 +91,7 @@ def check_shards(readers: List[torch.nn.Parameter]) -> None:
     for p in params:
         P = p.ds_tensor.ds_numel
         shard = p.ds_secondary_tensor
+        assert shard is not None  # readers are the parameters with a shard (ordering.secondary_readers)
         row = [_checksum(p.ds_tensor.view(-1)[:_valid(p.ds_numel, me * P, P)], me * P)]
         j = me % g  # hpZ groups are consecutive blocks of g ranks
         for b in range(k):
