@@ -66,12 +66,15 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:  # not at run time: the sections import zerotrain (and so DeepSpeed) only once configured
+    from zerotrain.hpz.zero_param import ZeroParam, ZeroShard
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -216,13 +219,14 @@ def memory_plan_prediction(shape: TrainShape) -> tuple[float | None, str]:
     sdpa, ``shape.micro_batch`` x ``shape.seq_len``. The reserve term (CUDA context, workspaces) is included:
     compare with the peak *reserved* as well as the peak allocated."""
     from zerotrain import memory_plan
+    from zerotrain.distributed import Accelerator
     from zerotrain.run_config import Config
 
     cfg = Config()  # the schema's model defaults are Llama-2-7B's shape
     cfg.model.num_layers = shape.layers
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, shape.seq_len)
     cfg.train.micro_batch_size, cfg.train.seq_len = shape.micro_batch, shape.seq_len
-    cfg.cluster.accelerator = "cuda"
+    cfg.cluster.accelerator = Accelerator.cuda
     p = memory_plan.plan(cfg, memory_plan.World(1, 1, "one GPU"), (None, "not checked"), checkpointing=True)
     reserve = p.term("reserve")
     return p.total / GIB, (f"{p.total / GIB:.1f} GiB (states {p.term('model states') / GIB:.1f}, activations "
@@ -503,7 +507,7 @@ class OneDeviceZero3:
         self.coordinator = self.offload.get_param_coordinator()
         self.allgather_stream = _private(self.coordinator, "_PartitionedParameterCoordinator__allgather_stream")
         for param in self.layers.parameters():
-            serve_shards_in_a_world_of_one(param)
+            serve_shards_in_a_world_of_one(cast("ZeroParam", param))
         self.cycle(self.layers[0])  # brings up the hpZ group's communicator before anything is measured
 
     def cycle(self, layer: torch.nn.Module) -> None:
@@ -515,8 +519,8 @@ class OneDeviceZero3:
         self.invalidate_shards(layer)
         self.accel.synchronize()
 
-    def params(self, layer: torch.nn.Module) -> list[torch.nn.Parameter]:
-        return list(layer._parameters.values())  # not layer.parameters(): no ZeRO attribute hooks involved
+    def params(self, layer: torch.nn.Module) -> list[ZeroParam]:
+        return cast("list[ZeroParam]", list(layer._parameters.values()))  # not layer.parameters(): no ZeRO attribute hooks involved
 
     def fetch(self, layer: torch.nn.Module, forward: bool) -> None:
         self.coordinator.fetch_sub_module(layer, forward=forward)
@@ -545,6 +549,12 @@ class OneDeviceZero3:
         return total, nan, wrong
 
 
+def shard_of(param: ZeroParam) -> ZeroShard:
+    if param.ds_secondary_tensor is None:
+        raise RuntimeError(f"parameter ds_id={param.ds_id} has no hpZ secondary shard after its release")
+    return param.ds_secondary_tensor
+
+
 def _private(obj: Any, name: str) -> Any:
     try:
         return getattr(obj, name)
@@ -552,7 +562,7 @@ def _private(obj: Any, name: str) -> Any:
         raise RuntimeError(f"DeepSpeed {type(obj).__name__} has no {name} (written against DeepSpeed 0.19.8)") from None
 
 
-def _closure(fn: Callable, names: tuple[str, ...]) -> dict:
+def _closure(fn: Callable, names: tuple[str, ...]) -> Mapping[str, Any]:
     """Variables of the closure that holds ``names``, looking through DeepSpeed's instrument_w_nvtx wrappers."""
     scope = inspect.getclosurevars(fn).nonlocals
     while not all(n in scope for n in names) and callable(scope.get("func")):
@@ -568,7 +578,7 @@ def _closure(fn: Callable, names: tuple[str, ...]) -> dict:
 SHARD_READS = {"params": 0}
 
 
-def serve_shards_in_a_world_of_one(param: torch.nn.Parameter) -> None:
+def serve_shards_in_a_world_of_one(param: ZeroParam) -> None:
     """Make ``param.all_gather_coalesced`` gather from hpZ shards although the world has one rank.
 
     DeepSpeed's ``all_gather_coalesced`` returns early when the partition group has one rank, so on one device the
@@ -716,7 +726,7 @@ def race_section(opts: argparse.Namespace) -> dict:
     results = []
     for arm in arms("race", opts.modes):
         use_arm(arm)
-        d = {"arm": arm, "reps": reps, "elements_read": 0, "poisoned_read": 0, "wrong_read": 0,
+        d: dict[str, Any] = {"arm": arm, "reps": reps, "elements_read": 0, "poisoned_read": 0, "wrong_read": 0,
              "shards_built": reps * len(params), "poisoned_allocations": 0}
         for _ in range(reps):
             zero3.invalidate_shards(layer)
@@ -754,7 +764,7 @@ def record_stream_section(opts: argparse.Namespace) -> dict:
         zero3.release(layer, forward=True)  # shards built normally
         accel.synchronize()
         accel.empty_cache()  # no spare cached blocks: a new allocation gets a freed shard's block or fresh memory
-        freed = {p.ds_secondary_tensor.data_ptr() for p in params}
+        freed = {shard_of(p).data_ptr() for p in params}
         with accel.stream(zero3.allgather_stream):
             late()  # the all-gather stream is behind: the gather queued next reads late
         zero3.prefetch(layer)  # the gather (and, in ordered, record_stream) is queued; nobody waits for it yet
@@ -790,14 +800,14 @@ class LayerCompute:
         self.out = {hidden: randn(tokens, hidden), ffn: randn(tokens, ffn)}
         self.grad = {s: randn(*s) for s in set(layer_shapes(hidden, ffn)) if len(s) == 2}
 
-    def forward(self, weights: list[torch.Tensor]) -> None:
+    def forward(self, weights: Sequence[torch.Tensor]) -> None:
         for w in (w for w in weights if w.dim() == 2):
             torch.mm(self.act[w.shape[1]], w.t(), out=self.out[w.shape[0]])
 
-    def backward(self, weights: list[torch.Tensor]) -> None:
+    def backward(self, weights: Sequence[torch.Tensor]) -> None:
         for w in (w for w in weights if w.dim() == 2):
             torch.mm(self.act[w.shape[0]], w, out=self.out[w.shape[1]])  # input gradient
-            torch.mm(self.act[w.shape[0]].t(), self.act[w.shape[1]], out=self.grad[tuple(w.shape)])  # weight grad
+            torch.mm(self.act[w.shape[0]].t(), self.act[w.shape[1]], out=self.grad[(w.shape[0], w.shape[1])])  # weight grad
 
 
 def stall_section(opts: argparse.Namespace) -> dict:
@@ -876,7 +886,7 @@ def stall_section(opts: argparse.Namespace) -> dict:
             "compute_ms": 1e3 * sum(compute_times) / steps, "compute_ms_min": 1e3 * min(compute_times)}
 
 
-def compute_step(weights: list[torch.Tensor], n_layers: int, compute: LayerCompute) -> None:
+def compute_step(weights: Sequence[torch.Tensor], n_layers: int, compute: LayerCompute) -> None:
     """A stall step's GEMMs alone, on weights gathered once."""
     for _ in range(n_layers):
         compute.forward(weights)
@@ -894,6 +904,7 @@ def train_section(opts: argparse.Namespace) -> dict:
 
     hpz.uninstall()  # one GPU: no hpZ group, plain ZeRO-3 (what train.py does for hpZ size 1)
     accel = get_accelerator()
+    shape: TrainShape | None
     if opts.tiny:
         s = TINY
         shape = TrainShape(s["layers"], 2, s["seq"], False, 0)
@@ -1103,7 +1114,8 @@ def check(args: argparse.Namespace) -> int:
             skipped = (raw or {}).get("skipped")
         if device["reason"] is not None:
             gpu_less = "name" not in device  # a GPU without bf16 is not "no GPU"
-            new = planned_rows(section, modes, "SKIPPED", "no GPU: skipped" if gpu_less else "skipped", skipped)
+            new = planned_rows(section, modes, "SKIPPED", "no GPU: skipped" if gpu_less else "skipped",
+                                skipped or device["reason"])
         elif skipped is not None:
             new = planned_rows(section, modes, "SKIPPED", f"skipped: {skipped}", skipped)
         elif raw is None:
