@@ -67,7 +67,7 @@ def expand_multi_query_kv(model: torch.nn.Module) -> int:
     patched = 0
     for module in model.modules():
         if isinstance(module, FalconAttention) and module.multi_query and not module.new_decoder_architecture:
-            module._split_heads = types.MethodType(_split_heads_expanded, module)
+            setattr(module, "_split_heads", types.MethodType(_split_heads_expanded, module))  # noqa: B010 -- a method
             module.num_kv_heads = module.num_heads
             patched += 1
     return patched

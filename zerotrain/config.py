@@ -151,7 +151,7 @@ def _bad_value(cfg: DictConfig, key: str, error: OmegaConfBaseException) -> str:
 
 def _merge(base: DictConfig, update: Any, origin: str) -> DictConfig:
     try:
-        return OmegaConf.merge(base, update)
+        return typing.cast(DictConfig, OmegaConf.merge(base, update))  # merged over a DictConfig: a DictConfig
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         if "not in struct" in str(e) or "Key '" in str(e) and "not in" in str(e):
@@ -199,7 +199,9 @@ def _fill_optional_sections(cfg: DictConfig, parent_key: str) -> None:
     for part in parent_key.split(".") if parent_key else ():
         if not isinstance(node, DictConfig) or part not in node:
             return
-        if node._get_node(part)._is_none():
+        child = node._get_node(part)
+        assert child is not None  # part in node
+        if child._is_none():
             section = _declared_section(node, part)
             if section is None:
                 return

@@ -111,6 +111,7 @@ def check_ranges(section: Any, prefix: str = "") -> None:
         spec = declared_range(f)
         problem = range_problem(spec, value) if spec else None
         if problem:
+            assert spec is not None  # a problem comes from a declared range
             raise ConfigError(f"{key}={_show(value)} {problem}" + (f": {spec.hint}" if spec.hint else ""))
         if dataclasses.is_dataclass(value):
             check_ranges(value, f"{key}.")

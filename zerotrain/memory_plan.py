@@ -413,6 +413,7 @@ def check_at_start(cfg: Any, environ: Mapping[str, str] = os.environ) -> MemoryP
         log.info("memory plan: %s per GPU %s", _gib(p.total), verdict(p))
     if p.fits is not False:
         return p
+    assert p.device_bytes is not None  # a verdict needs the device's size
     remedies = _remedies(p, can_checkpoint=hasattr(cfg.train, "activation_checkpointing"))
     message = (f"memory plan: {_gib(p.total)} per GPU exceeds the device's {_gib(p.device_bytes)} "
                f"({p.device_source}) by {_gib(p.total - p.device_bytes)}:\n{describe(p)}\nTo fit: {remedies}.")

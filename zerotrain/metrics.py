@@ -18,7 +18,7 @@ MFU = achieved model FLOP/s per device / the device's peak dense FLOP/s for the 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import psutil
 import torch
@@ -40,8 +40,9 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 def matmul_params(model: torch.nn.Module) -> int:
     """N above: parameters in matrix multiplies (all but the input embedding, counted once when tied)."""
-    embedding = model.get_input_embeddings().weight
-    output = model.get_output_embeddings()
+    hf: Any = model  # a transformers model: nn.Module declares no get_*_embeddings
+    embedding = hf.get_input_embeddings().weight
+    output = hf.get_output_embeddings()
     tied = output is not None and output.weight is embedding
     seen: set[int] = set()
     total = 0

@@ -18,7 +18,8 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from transformers import FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
+from transformers import (FalconConfig, FalconForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig,
+                          PreTrainedModel)
 
 from zerotrain import hub
 from zerotrain.attention import AttnImplementation, check_available, expand_multi_query_kv
@@ -122,7 +123,8 @@ def validate_model(model: ModelConfig) -> None:
         raise ConfigError(f"invalid model section for {model.family}: {detail}") from None
 
 
-MODEL_CLASSES = {ModelFamily.llama: LlamaForCausalLM, ModelFamily.falcon: FalconForCausalLM}
+MODEL_CLASSES: dict[ModelFamily, type[PreTrainedModel]] = {
+    ModelFamily.llama: LlamaForCausalLM, ModelFamily.falcon: FalconForCausalLM}
 
 
 def hf_config(model: ModelConfig) -> PretrainedConfig:
@@ -193,7 +195,7 @@ def build_model(model: ModelConfig, precision: str, activation_checkpointing: bo
     non-reentrant variant fails under ZeRO-3.
     """
     cls = MODEL_CLASSES[model.family]  # imported at module load, i.e. before zero.Init patches nn.Module
-    kwargs = {"dtype": torch_dtype(precision), "attn_implementation": str(model.attn_implementation)}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(precision), "attn_implementation": str(model.attn_implementation)}
     if model.pretrained_path:
         # No KV cache in training: with one, transformers would also stop reading packed documents off position_ids.
         module = cls.from_pretrained(hub.resolve(model.pretrained_path), use_cache=False, **kwargs)

@@ -135,7 +135,8 @@ class Profiler:
         if self._memory:
             torch.cuda.memory._record_memory_history(max_entries=cfg.memory_history_entries)
             if cfg.memory_snapshot_on_oom:
-                torch._C._cuda_attach_out_of_memory_observer(self._on_oom)
+                # CUDA builds only: torch ships no stub for it
+                getattr(torch._C, "_cuda_attach_out_of_memory_observer")(self._on_oom)  # noqa: B009
 
     def begin(self, step: int) -> None:
         self._step = step

@@ -154,11 +154,13 @@ class NullStepTimes(StepTimes):
     def __init__(self):
         super().__init__("cpu")
 
-    def step(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        yield
 
-    def phase(self, name: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
 
     def timed(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
@@ -197,7 +199,7 @@ def install(times: StepTimes) -> None:
         setattr(backend, method, _timed(original))
     _backend = backend
     _work_wait = tdist.Work.wait
-    tdist.Work.wait = _timed(_work_wait)
+    setattr(tdist.Work, "wait", _timed(_work_wait))  # noqa: B010 -- mypy refuses assigning to a method
 
 
 def _timed(original: Callable) -> Callable:
@@ -224,6 +226,6 @@ def uninstall() -> None:
             else:
                 setattr(_backend, method, previous)
     if _work_wait is not None:
-        tdist.Work.wait = _work_wait
+        setattr(tdist.Work, "wait", _work_wait)  # noqa: B010 -- mypy refuses assigning to a method
     _installed.clear()
     _backend = _work_wait = _active = None

@@ -16,6 +16,7 @@ a run directory are all :func:`export_checkpoint`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 import yaml
@@ -39,7 +40,8 @@ def export_checkpoint(tag_dir: Path, out_dir: Path) -> Path:
     # Before the slow merge of the shards: a tokenizer that cannot be found fails at once, with nothing written.
     tokenizer = run_tokenizer.load(tag_dir.resolve().parent.parent, saved)  # <run dir>/checkpoints/<tag>
     run_tokenizer.check_export(tokenizer, tag_dir, meta)  # the tokenizer the checkpoint was trained with, or none
-    model_cfg: ModelConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"]))
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"])
+    model_cfg = cast(ModelConfig, OmegaConf.to_object(merged))
     precision = saved["train"]["precision"]
     state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     # The class itself, not _from_config: inside a training process an HfDeepSpeedConfig is alive and _from_config

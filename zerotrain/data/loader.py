@@ -304,11 +304,11 @@ class TrainLoader:
         seed: int,
     ):
         _check_parallel(micro_batch_size, dp_rank, dp_size)
-        weights = np.asarray(weights, np.float64)
-        if len(weights) != len(sources) or not len(sources) or (weights < 0).any() or weights.sum() <= 0:
-            raise DataError(f"data source weights {weights.tolist()} must be non-negative with a positive sum")
+        w = np.asarray(weights, np.float64)
+        if len(w) != len(sources) or not len(sources) or (w < 0).any() or w.sum() <= 0:
+            raise DataError(f"data source weights {w.tolist()} must be non-negative with a positive sum")
         self.sources = sources
-        self.weights = weights / weights.sum()
+        self.weights = w / w.sum()
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.orders = [EpochOrder(s.num_samples, seed, i) for i, s in enumerate(sources)]

@@ -202,6 +202,7 @@ def get_tokenizer(cfg: PrepareConfig, records: Callable[[], Iterator[Record]], o
             f"document is blank{' or in the valid split' if cfg.valid_fraction else ''}. Give input with text (for "
             f"JSONL: a '{cfg.text_field}' field, text_field=<name> for another), or tokenizer.path=<a tokenizer>")
     texts = itertools.chain([first], texts)
+    tokenizer: Tokenizer
     if cfg.tokenizer.train_kind == "llama3":
         tokenizer = train_llama3_bpe(texts, out_dir, cfg.tokenizer.train_vocab_size)
         return tokenizer, f"trained: Llama-3 byte-level BPE, vocab_size={cfg.tokenizer.train_vocab_size}"

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union, cast
 
 from zerotrain.data.sources import Record
 from zerotrain.data.tokenizer import Tokenizer
@@ -118,6 +118,12 @@ def _bos(tokenizer: Tokenizer, add_bos: bool) -> list[Part]:
     return [Special(tokenizer.bos_id, False)] if add_bos and tokenizer.bos_id is not None else []
 
 
+def _eos(tokenizer: Tokenizer) -> int:
+    if tokenizer.eos_id is None:
+        raise DataError("SFT needs a tokenizer with an end-of-sequence token to end each answer; this one has none")
+    return tokenizer.eos_id
+
+
 def _render_llama2(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos: bool, where: str) -> list[Part]:
     system: Optional[str] = None
     if messages[0]["role"] == "system":
@@ -132,7 +138,7 @@ def _render_llama2(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos
         if turn == 0 and system is not None:
             user = f"<<SYS>>\n{system.strip()}\n<</SYS>>\n\n{user}"
         parts += _bos(tokenizer, add_bos)
-        parts += [Text(f"[INST] {user} [/INST]", False), Text(f" {answer} ", True), Special(tokenizer.eos_id, True)]
+        parts += [Text(f"[INST] {user} [/INST]", False), Text(f" {answer} ", True), Special(_eos(tokenizer), True)]
     return parts
 
 
@@ -145,7 +151,7 @@ def _render_plain(messages: list[dict[str, str]], tokenizer: Tokenizer, add_bos:
         elif message["role"] == "user":
             parts.append(Text(f"User: {content}\n\nAssistant:", False))
         else:
-            parts += [Text(f" {content}", True), Special(tokenizer.eos_id, True)]
+            parts += [Text(f" {content}", True), Special(_eos(tokenizer), True)]
     return parts
 
 
@@ -153,7 +159,7 @@ def _render_completion(messages: list[dict[str, str]], tokenizer: Tokenizer, add
     parts: list[Part] = _bos(tokenizer, add_bos)
     for message in messages:
         if message["role"] == "assistant":
-            parts += [Text(message["content"], True), Special(tokenizer.eos_id, True)]
+            parts += [Text(message["content"], True), Special(_eos(tokenizer), True)]
         else:
             parts.append(Text(message["content"], False))
     return parts
@@ -163,12 +169,13 @@ def _apply_jinja(template: str, messages: list[dict[str, str]], tokenizer: Token
                  where: str) -> str:
     from transformers.utils.chat_template_utils import render_jinja_template  # apply_chat_template's renderer
 
-    names = {key: tokenizer.token_text(token_id) for key, token_id in
+    names: dict[str, Any] = {key: tokenizer.token_text(token_id) for key, token_id in
              (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))
              if token_id is not None}
     try:
-        rendered, _ = render_jinja_template([messages], chat_template=template,
-                                            add_generation_prompt=generation_prompt, **names)
+        # (rendered conversations, generation indices), although transformers annotates a str
+        rendered, _ = cast(tuple[list[str], Any], render_jinja_template(
+            [messages], chat_template=template, add_generation_prompt=generation_prompt, **names))
     except Exception as e:  # noqa: BLE001 -- jinja2's errors and the template's own raise_exception()
         raise DataError(f"{where}: the tokenizer's chat template refused this conversation: "
                         f"{' '.join(str(e).split())}") from None
@@ -214,7 +221,7 @@ def _render_tokenizer_template(messages: list[dict[str, str]], tokenizer: Tokeni
             position = match.end()
         if position < len(segment):
             parts.append(Text(segment[position:], trainable))
-    if not add_bos and parts and parts[0] == Special(tokenizer.bos_id, False):
+    if not add_bos and parts and tokenizer.bos_id is not None and parts[0] == Special(tokenizer.bos_id, False):
         parts = parts[1:]
     return parts
 

@@ -631,7 +631,8 @@ def train_llama3_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: int)
         pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
     ])
-    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    # Takes no settings (it ignores any given); serialised with add_prefix_space, trim_offsets and use_regex true.
+    tokenizer.decoder = decoders.ByteLevel()
     # Llama-3.1's tokenizer.json: with add_special_tokens, transformers puts <|begin_of_text|> in front, as our
     # documents have it (the first Llama-3 release added nothing there). encode() never adds it.
     tokenizer.post_processor = processors.Sequence([

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -138,7 +139,7 @@ def _collate(batch: list[_Row], pad_id: int, device: torch.device) -> tuple[torc
 
 
 def _forward_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    kwargs = {"input_ids": ids, "attention_mask": mask}
+    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
     # Hugging Face models would otherwise build a KV cache nobody reads.
     config = getattr(getattr(model, "module", model), "config", None)
     if config is not None and hasattr(config, "use_cache"):

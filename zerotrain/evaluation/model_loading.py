@@ -10,7 +10,7 @@ DeepSpeed checkpoints are refused with guidance.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -103,7 +103,7 @@ def load_hf_export(
         from zerotrain.attention import expand_multi_query_kv
 
         expand_multi_query_kv(model)  # Falcon-7B: a fused SDPA kernel instead of the fp32 math fallback
-    return model.to(device).eval(), tokenizer
+    return cast(torch.nn.Module, model).to(device).eval(), tokenizer  # transformers types .to() oddly
 
 
 def model_max_length(model: torch.nn.Module, default: int = 2048) -> int:

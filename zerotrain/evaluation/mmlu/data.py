@@ -33,6 +33,7 @@ identical with, published numbers. ``no_dev_split="error"`` raises
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import logging
 import re
@@ -275,7 +276,7 @@ def _open_directory(path: Path) -> _Source:
     if any(any(d.glob("*.csv")) for d in csv_dirs.values()):
         return _Source(
             f"{path} (Hendrycks CSV layout)",
-            {s: (lambda s=s, d=d: read_csv_split_dir(d, s)) for s, d in csv_dirs.items()},
+            {s: functools.partial(read_csv_split_dir, d, s) for s, d in csv_dirs.items()},
         )
     split_files = _split_files(path)
     if split_files:
@@ -314,7 +315,7 @@ def _open_saved_dataset(path: Path) -> _Source:
     if isinstance(loaded, datasets.DatasetDict):
         return _Source(
             str(path),
-            {s: (lambda s=s: read_hf_dataset(loaded[s], f"{path}[{s}]")) for s in loaded},
+            {s: functools.partial(read_hf_dataset, loaded[s], f"{path}[{s}]") for s in loaded},
         )
     return _Source(str(path), {"file": lambda: read_hf_dataset(loaded, str(path))}, True)
 
@@ -328,7 +329,7 @@ def _open_hub(name: str) -> _Source:
     loaded = datasets.load_dataset(name, HUB_CONFIG)
     return _Source(
         f"{name} ({HUB_CONFIG})",
-        {s: (lambda s=s: read_hf_dataset(loaded[s], f"{name}[{s}]")) for s in loaded},
+        {s: functools.partial(read_hf_dataset, loaded[s], f"{name}[{s}]") for s in loaded},
     )
 
 
