@@ -45,8 +45,8 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.profiling import trace_range
 
 from . import counting
-from .zero_param import ZeroParam, ZeroShard
 from .config import HpzMode
+from .zero_param import ZeroParam, ZeroShard
 
 MODES = tuple(mode.value for mode in HpzMode)  # the hpz.mode values, as plain strings
 RACY_MODES = (HpzMode.legacy.value, HpzMode.stock.value)

@@ -9,7 +9,7 @@ time.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import torch
 
@@ -42,7 +42,3 @@ class ZeroParam(torch.nn.Parameter):
 def zero_param(param: torch.Tensor) -> ZeroParam:
     """``param`` as a ZeRO-3 parameter (no check, no conversion: the caller knows DeepSpeed partitioned it)."""
     return cast(ZeroParam, param)
-
-
-def zero_params(params: Iterable[torch.Tensor]) -> List[ZeroParam]:
-    return [cast(ZeroParam, p) for p in params]
