@@ -3,8 +3,7 @@
 ``deepspeed.runtime.zero.partition_parameters`` adds ``ds_tensor``, ``ds_secondary_tensor``, ``ds_numel``... to
 each ``torch.nn.Parameter`` at run time, so a checker sees none of them. ``ZeroParam`` and ``ZeroShard`` declare
 them (names and types only: nothing here is ever instantiated); code that handles ZeRO parameters annotates them
-with these types, or converts with ``zero_param``/``zero_params``, which are ``typing.cast`` and do nothing at run
-time.
+with these types, or converts with ``zero_param``, a ``typing.cast`` that does nothing at run time.
 """
 
 from __future__ import annotations
