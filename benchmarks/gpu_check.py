@@ -520,7 +520,8 @@ class OneDeviceZero3:
         self.accel.synchronize()
 
     def params(self, layer: torch.nn.Module) -> list[ZeroParam]:
-        return cast("list[ZeroParam]", list(layer._parameters.values()))  # not layer.parameters(): no ZeRO attribute hooks involved
+        # not layer.parameters(): no ZeRO attribute hooks involved
+        return cast("list[ZeroParam]", list(layer._parameters.values()))
 
     def fetch(self, layer: torch.nn.Module, forward: bool) -> None:
         self.coordinator.fetch_sub_module(layer, forward=forward)
@@ -807,7 +808,8 @@ class LayerCompute:
     def backward(self, weights: Sequence[torch.Tensor]) -> None:
         for w in (w for w in weights if w.dim() == 2):
             torch.mm(self.act[w.shape[0]], w, out=self.out[w.shape[1]])  # input gradient
-            torch.mm(self.act[w.shape[0]].t(), self.act[w.shape[1]], out=self.grad[(w.shape[0], w.shape[1])])  # weight grad
+            weight_grad = self.grad[(w.shape[0], w.shape[1])]
+            torch.mm(self.act[w.shape[0]].t(), self.act[w.shape[1]], out=weight_grad)
 
 
 def stall_section(opts: argparse.Namespace) -> dict:
