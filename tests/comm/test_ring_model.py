@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
+from test_comm_bytes import accountants  # the same per-rank accountants over hand-made groups
+
 from zerotrain import comm_accounting, comm_model, ring_collectives
-from zerotrain.comm_accounting import _Accountant
 from zerotrain.comm_model import Shape
 from zerotrain.distributed import Collectives
-from zerotrain.launch.layout import layout_from_node_names
 
 
 def test_flat_vs_hierarchical_is_w_minus_1_over_w_against_n_minus_1_over_n():
@@ -78,18 +78,6 @@ class FakeGroup:
     pass
 
 
-def _accountants(names, groups):
-    layout = layout_from_node_names(names)
-    accs = []
-    for rank in range(len(names)):
-        acc = _Accountant(layout, rank)
-        for group, ranks in groups.items():
-            if rank in ranks:
-                acc._group_ranks[id(group)] = (tuple(ranks), ranks.index(rank))
-        accs.append(acc)
-    return accs
-
-
 def _ring_per_node(accs, nodes):
     return sum(sum(a.ring.values()) for a in accs) / nodes
 
@@ -104,19 +92,19 @@ def test_accounting_ring_model_matches_the_closed_form():
               **{p: [i, 4 + i] for i, p in enumerate(pairs)}}
     nbytes = 4096
     full, part = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // 8)
-    accs = _accountants(names, groups)
+    accs = accountants(names, groups)
     for acc in accs:
         acc.record("reduce_scatter_tensor", (), {"output_tensor": part, "input_tensor": full, "group": world})
     assert _ring_per_node(accs, 2) == pytest.approx(comm_model.flat(Shape(2, 4, 4), nbytes))  # 7/8 B
     logical = sum(a.counters["reduce_scatter"][4] for a in accs) / 2
     assert logical == pytest.approx(4 * (4 / 8) * nbytes)  # the logical count: k (W-k)/W B per node
 
-    accs = _accountants(names, groups)
+    accs = accountants(names, groups)
     for rank, acc in enumerate(accs):
         acc.record("all_gather_into_tensor", (), {"output_tensor": full, "input_tensor": part, "group": world})
     assert _ring_per_node(accs, 2) == pytest.approx(comm_model.flat(Shape(2, 4, 4), nbytes))
 
-    accs = _accountants(names, groups)
+    accs = accountants(names, groups)
     quarter, eighth = torch.zeros(nbytes // 4 // 4), torch.zeros(nbytes // 4 // 8)
     for rank, acc in enumerate(accs):
         acc.record("reduce_scatter_tensor", (), {"output_tensor": quarter, "input_tensor": full,
@@ -129,15 +117,15 @@ def test_accounting_ring_model_matches_the_closed_form():
 def test_accounting_ring_model_of_all_reduce_broadcast_all_to_all():
     names = ["a", "a", "b", "b"]
     world = FakeGroup()
-    accs = _accountants(names, {world: [0, 1, 2, 3]})
+    accs = accountants(names, {world: [0, 1, 2, 3]})
     for acc in accs:
         acc.record("all_reduce", (torch.zeros(8),), {"group": world})  # 32 B: each rank sends 2*3/4*32 = 48
     assert _ring_per_node(accs, 2) == pytest.approx(48)  # ranks 1 and 3 have off-node successors: 96 / 2
-    accs = _accountants(names, {world: [0, 1, 2, 3]})
+    accs = accountants(names, {world: [0, 1, 2, 3]})
     for acc in accs:
         acc.record("broadcast", (), {"tensor": torch.zeros(5), "src": 0, "group": world})
     assert _ring_per_node(accs, 2) == pytest.approx(20 / 2)  # 0->1->2->3: only rank 1's hop leaves a node
-    accs = _accountants(names, {world: [0, 1, 2, 3]})
+    accs = accountants(names, {world: [0, 1, 2, 3]})
     for acc in accs:
         acc.record("all_to_all_single", (), {"output": torch.zeros(8), "input": torch.zeros(8), "group": world,
                                              "output_split_sizes": None, "input_split_sizes": None})

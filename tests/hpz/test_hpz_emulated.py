@@ -19,22 +19,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from hpz_results import emulated_run as run
+from hpz_results import races
 
 MODELS = [(k, d) for k in ("llama", "falcon") for d in ("fp32", "bf16")]
 CONTROLS = ("event_before_copy", "event_wrong_stream", "skip_one_wait")
-
-
-def run(results: dict, spec: str) -> dict:
-    value = results["runs"].get(spec)
-    if value is None:
-        pytest.fail(f"run {spec} missing; launch output tail:\n{results.get('output_tail')}")
-    if "error" in value:
-        pytest.fail(f"run {spec} crashed:\n{value['error']}")
-    return value
-
-
-def races(r: dict) -> list:
-    return [e["races"] for e in r["emulator"]]
 
 
 def differs_from(r: dict, reference: dict) -> bool:

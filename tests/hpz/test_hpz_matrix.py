@@ -20,21 +20,13 @@ import math
 
 import pytest
 import worker_matrix as M
+from hpz_results import emulated_run, races
 
 ROWS = [(option, kind) for option in M.OPTIONS for kind in M.KINDS]
 
 
 def run(results: dict, option: str, kind: str, arm: str) -> dict:
-    value = results["runs"].get(f"matrix:{option}:{kind}:{arm}")
-    if value is None:
-        pytest.fail(f"matrix run {option}:{kind}:{arm} missing; launch output tail:\n{results.get('output_tail')}")
-    if "error" in value:
-        pytest.fail(f"matrix run {option}:{kind}:{arm} crashed:\n{value['error']}")
-    return value
-
-
-def races(r: dict) -> list:
-    return [e["races"] for e in r["emulator"]]
+    return emulated_run(results, f"matrix:{option}:{kind}:{arm}")
 
 
 def test_every_matrix_run_is_in_the_launch(hpz_emulated):
