@@ -140,4 +140,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zerotrain.launch.teardown import exit_with
+
+    exit_with(main)  # as train.py: no C++ teardown after the outcome

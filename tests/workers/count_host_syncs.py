@@ -75,4 +75,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zerotrain.launch.teardown import exit_with
+
+    exit_with(main)  # as train.py
