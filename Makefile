@@ -13,10 +13,14 @@ export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
+# DeepSpeed's CPU shared-memory comm op: JIT-compiled (~90 s) the first time a process group starts on the CPU
+# accelerator. `make setup` builds it once, as DeepSpeed's DS_BUILD_OPS would at install, so that neither the first
+# training run nor the first test waits for it; a GPU node (DS_ACCELERATOR=cuda) does not need it.
+COMM_OP := $(if $(filter cpu,$(DS_ACCELERATOR)),$(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so)
 
 .PHONY: setup data data-llama3 demo test test-fast durations wheelhouse clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(COMM_OP)
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +28,10 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
+
+$(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so: | $(VENV)/.installed
+	@echo "building DeepSpeed's CPU shared-memory comm op into $(TORCH_EXTENSIONS_DIR) (about 90 s, once)"
+	$(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"
 
 data: data/prepared/shakespeare/manifest.json
 
@@ -37,7 +45,7 @@ data/prepared/shakespeare/manifest.json: $(VENV)/.installed data/corpus/shakespe
 	$(PY) data/prepare.py input=data/corpus/shakespeare_milton.txt output=data/prepared/shakespeare \
 		tokenizer.train_vocab_size=2048 valid_fraction=0.02
 
-demo: data
+demo: setup data
 	$(PY) -m zerotrain.launch.torchrun --standalone --nproc_per_node=$(NPROC) train.py recipe=tiny_llama $(ARGS)
 
 test: setup
