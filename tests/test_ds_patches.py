@@ -32,3 +32,62 @@ def test_the_universal_load_repair_refuses_another_deepspeed_before_reading_anyt
     monkeypatch.setattr(deepspeed, "__version__", ds_patches.PINNED_DEEPSPEED)
     with pytest.raises(FileNotFoundError):  # negative control: the pinned version goes on to read the copy
         universal.repair(engine=None, universal=tmp_path)
+
+
+# ---- one dispatcher per deepspeed.comm backend method, shared by comm accounting and step timing -----------------
+
+
+class Backend:
+    """Stands in for deepspeed.comm's backend object (TorchBackend): what the dispatchers wrap is its methods."""
+
+    def all_reduce(self, tensor, op=None):
+        return ("all_reduce", tensor)
+
+    def barrier(self):
+        return "barrier"
+
+
+def test_hooks_nest_in_order_added_and_any_can_leave_without_undoing_the_other(monkeypatch):
+    import deepspeed.comm.comm as ds_comm
+
+    backend = Backend()
+    monkeypatch.setattr(ds_comm, "cdb", backend)
+    calls: list = []
+
+    def hook(name):
+        def observe(method, call, *args, **kwargs):
+            calls.append((name, "in", method))
+            result = call(*args, **kwargs)
+            calls.append((name, "out", method))
+            return result
+        return observe
+
+    ds_patches.add_collective_hook("a", hook("a"), ["all_reduce", "barrier"])
+    ds_patches.add_collective_hook("b", hook("b"), ["all_reduce"])
+    try:
+        assert backend.all_reduce(7, op="sum") == ("all_reduce", 7)  # arguments and result untouched
+        assert calls == [("a", "in", "all_reduce"), ("b", "in", "all_reduce"), ("b", "out", "all_reduce"),
+                         ("a", "out", "all_reduce")]
+        calls.clear()
+        assert backend.barrier() == "barrier" and calls == [("a", "in", "barrier"), ("a", "out", "barrier")]
+
+        ds_patches.remove_collective_hook("a")  # the first one installed leaves first: b still observes
+        calls.clear()
+        backend.all_reduce(1)
+        assert calls == [("b", "in", "all_reduce"), ("b", "out", "all_reduce")]
+    finally:
+        ds_patches.remove_collective_hook("a")
+        ds_patches.remove_collective_hook("b")
+    assert vars(backend) == {}  # the last one out restores the class's own methods exactly
+
+
+def test_negative_control_two_patch_sets_on_one_method_lose_the_inner_wrapper():
+    """What comm accounting and step timing did before the shared dispatcher: each wrapped the method itself, and
+    the first one's restore deleted the instance attribute holding the second one's wrapper."""
+    backend, seen = Backend(), []
+    first, second = ds_patches.PatchSet(), ds_patches.PatchSet()
+    inner = first.replace(backend, "barrier", lambda: seen.append("first") or Backend.barrier(backend))
+    second.replace(backend, "barrier", lambda: seen.append("second") or inner())
+    first.restore()
+    backend.barrier()
+    assert seen == []  # the second wrapper is gone with the first's restore

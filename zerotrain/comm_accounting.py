@@ -80,13 +80,12 @@ the inter-node network, each byte counted once); ``inter_node_bytes_per_node`` t
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from zerotrain.ds_patches import PatchSet, require_supported
+from zerotrain.ds_patches import add_collective_hook, remove_collective_hook, require_supported
 from zerotrain.errors import ZerotrainError
 from zerotrain.launch.layout import NodeLayout
 
@@ -360,7 +359,7 @@ def _splits(t: Any, sizes: Optional[list[int]], g: int) -> list[int]:
 
 
 _active: Optional[_Accountant] = None
-_patches: Optional[PatchSet] = None  # the wrappers on deepspeed.comm's backend object, while installed
+_HOOK = "comm_accounting"  # its name among the hooks on deepspeed.comm's backend (zerotrain.ds_patches)
 
 
 def installed() -> bool:
@@ -369,50 +368,35 @@ def installed() -> bool:
 
 def install(layout: NodeLayout, rank: Optional[int] = None) -> None:
     """Start counting on this rank (after the process group exists). Idempotent for the same layout."""
-    global _active, _patches
-    import deepspeed.comm.comm as ds_comm
+    global _active
     import torch.distributed as tdist
 
     if _active is not None:
         if _active.layout == layout:
             return
         raise AccountingError("comm accounting is already installed with another layout; uninstall() first")
-    backend = ds_comm.cdb
-    if backend is None:
-        raise AccountingError("deepspeed.comm is not initialised: call deepspeed.init_distributed first")
     rank = tdist.get_rank() if rank is None else rank
     if len(layout.node_index) != tdist.get_world_size():
         raise AccountingError(f"layout has {len(layout.node_index)} ranks, the world {tdist.get_world_size()}")
     require_supported("zerotrain.comm_accounting", "deepspeed.comm backend's collective methods and their arguments",
                       "set comm.accounting=false")
     accountant = _Accountant(layout, rank)
-    patches = PatchSet()
-    for method in _METHODS:
-        original = getattr(backend, method, None)
-        if original is None or not callable(original):
-            continue
-        # The wrappers are instance attributes shadowing the class's methods: restoring deletes them again.
-        patches.replace(backend, method, _wrap(accountant, method, original))
-    _patches = patches
-    _active = accountant
 
-
-def _wrap(accountant: _Accountant, method: str, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def counted(*args, **kwargs):
+    def count(method: str, call: Callable, *args, **kwargs):
         accountant.record(method, args, kwargs)
-        return original(*args, **kwargs)
+        return call(*args, **kwargs)
 
-    setattr(counted, "__zerotrain_comm_accounting__", True)  # noqa: B010 -- a marker the checker cannot type
-    return counted
+    try:
+        add_collective_hook(_HOOK, count, _METHODS)
+    except RuntimeError as e:  # deepspeed.comm not initialised
+        raise AccountingError(str(e)) from None
+    _active = accountant
 
 
 def uninstall() -> None:
     """Stop counting and restore the backend's methods. Safe to call when not installed."""
-    global _active, _patches
-    if _patches is not None:
-        _patches.restore()
-    _patches = None
+    global _active
+    remove_collective_hook(_HOOK)
     _active = None
 
 

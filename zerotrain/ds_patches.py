@@ -5,7 +5,8 @@ what one of its functions left behind. Each of those depends on DeepSpeed intern
 so each user checks :func:`require_supported` first and installs through a :class:`PatchSet`:
 
 * :mod:`zerotrain.hpz` (the hpZ shard ordering, groups, stale-shard hooks, hierarchical gradient reduce);
-* :mod:`zerotrain.comm_accounting` (counting wrappers over ``deepspeed.comm``'s backend methods);
+* :mod:`zerotrain.comm_accounting` and :mod:`zerotrain.step_timing`, which observe ``deepspeed.comm``'s backend
+  methods through one dispatcher per method (:func:`add_collective_hook`), never wrapping each other's wrappers;
 * :func:`zerotrain.checkpoint.universal.repair` (what DeepSpeed's ZeRO-3 load of a universal checkpoint gets wrong).
 
 :class:`PatchSet` remembers the exact original object of every attribute it replaces (looked up in the owner's own
@@ -16,8 +17,10 @@ for every patched attribute.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from zerotrain.errors import ZerotrainError
 
@@ -105,3 +108,66 @@ class PatchSet:
             else:
                 setattr(rec.owner, rec.name, rec.original)
         self._records.clear()
+
+
+# --------------------------------------------------------------------------- hooks on deepspeed.comm's backend
+
+CollectiveHook = Callable[..., Any]
+"""``hook(method, call, *args, **kwargs)``: runs the collective by calling ``call(*args, **kwargs)`` and returns its
+result (an observer records around that call; it must not change the arguments or the result)."""
+
+_hooks: dict[str, tuple[CollectiveHook, frozenset]] = {}  # owner -> (hook, methods), outermost first
+_backend: Any = None  # the deepspeed.comm backend object the dispatchers are installed on
+_backend_patches: Optional[PatchSet] = None
+
+
+def add_collective_hook(owner: str, hook: CollectiveHook, methods: Iterable[str]) -> None:
+    """Route every call of ``methods`` on deepspeed.comm's backend (``deepspeed.comm.comm.cdb``, the object every
+    ``deepspeed.comm`` entry point ends in) through ``hook``, after ``deepspeed.init_distributed``.
+
+    Each method is wrapped once, by one dispatcher that calls the hooks of every ``owner`` (comm accounting, step
+    timing) nested in the order they were added (the first added outermost), so owners can be added and removed in
+    any order without one undoing another's wrapper. Adding for an ``owner`` again replaces its hook."""
+    global _backend, _backend_patches
+    import deepspeed.comm.comm as ds_comm
+
+    backend = ds_comm.cdb
+    if backend is None:
+        raise RuntimeError("deepspeed.comm is not initialised: call deepspeed.init_distributed first")
+    if backend is not _backend:  # a new process group's backend: the old one's dispatchers go
+        _remove_dispatchers()
+    _hooks.pop(owner, None)
+    _hooks[owner] = (hook, frozenset(methods))
+    patches = _backend_patches or PatchSet()
+    wrapped = {name for _, name, _ in patches.records()}
+    for method in sorted(set().union(*(m for _, m in _hooks.values())) - wrapped):
+        original = getattr(backend, method, None)
+        if callable(original):  # an instance attribute shadowing the class's method: restoring deletes it again
+            patches.replace(backend, method, _dispatcher(method, original))
+    _backend, _backend_patches = backend, patches
+
+
+def remove_collective_hook(owner: str) -> None:
+    """Stop calling ``owner``'s hook; the last one removed restores the backend's methods. Harmless when absent."""
+    _hooks.pop(owner, None)
+    if not _hooks:
+        _remove_dispatchers()
+
+
+def _remove_dispatchers() -> None:
+    global _backend, _backend_patches
+    if _backend_patches is not None:
+        _backend_patches.restore()
+    _backend = _backend_patches = None
+
+
+def _dispatcher(method: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        call = original
+        for hook, methods in reversed(list(_hooks.values())):  # innermost first, so the first added runs outermost
+            if method in methods:
+                call = functools.partial(hook, method, call)
+        return call(*args, **kwargs)
+
+    return dispatch

@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 
+from zerotrain.ds_patches import PatchSet, add_collective_hook, remove_collective_hook
 from zerotrain.profiling import trace_range
 
 PHASES = ("forward", "backward", "optimizer")
@@ -173,36 +174,29 @@ def _share(part: float, whole: float) -> float:
 # --------------------------------------------------------------------------- the collective hooks
 
 _active: Optional[StepTimes] = None
-_installed: dict[str, Any] = {}  # backend method name -> what was there (None: the class's own method)
-_backend: Any = None
-_work_wait: Optional[Callable] = None
+_HOOK = "step_timing"  # its name among the hooks on deepspeed.comm's backend (zerotrain.ds_patches)
+_wait_patch: Optional[PatchSet] = None  # torch.distributed.Work.wait, timed
 
 
 def install(times: StepTimes) -> None:
     """Time collectives into ``times`` from now on (after ``deepspeed.init_distributed``). Installing again points
     the hooks at the new ``times``."""
-    global _active, _backend, _work_wait
-    import deepspeed.comm.comm as ds_comm
+    global _active, _wait_patch
     import torch.distributed as tdist
 
     _active = times
-    if _backend is not None:
-        return
-    backend = ds_comm.cdb
-    if backend is None:
-        raise RuntimeError("deepspeed.comm is not initialised: call deepspeed.init_distributed first")
-    for method in COLLECTIVES:
-        original = getattr(backend, method, None)
-        if original is None or not callable(original):
-            continue
-        _installed[method] = vars(backend).get(method)
-        setattr(backend, method, _timed(original))
-    _backend = backend
-    _work_wait = tdist.Work.wait
-    setattr(tdist.Work, "wait", _timed(_work_wait))  # noqa: B010 -- mypy refuses assigning to a method
+    add_collective_hook(_HOOK, _time_collective, COLLECTIVES)
+    if _wait_patch is None:
+        _wait_patch = PatchSet()
+        _wait_patch.replace(tdist.Work, "wait", _timed_wait(tdist.Work.wait))
 
 
-def _timed(original: Callable) -> Callable:
+def _time_collective(method: str, call: Callable, *args: Any, **kwargs: Any) -> Any:
+    times = _active
+    return call(*args, **kwargs) if times is None else times.timed(call, *args, **kwargs)
+
+
+def _timed_wait(original: Callable) -> Callable:
     @functools.wraps(original)
     def timed(*args, **kwargs):
         times = _active
@@ -215,17 +209,8 @@ def _timed(original: Callable) -> Callable:
 
 def uninstall() -> None:
     """Restore the backend's methods and ``Work.wait``. Harmless when not installed."""
-    global _active, _backend, _work_wait
-    import torch.distributed as tdist
-
-    if _backend is not None:
-        for method, previous in _installed.items():
-            if previous is None:
-                if method in vars(_backend):
-                    delattr(_backend, method)
-            else:
-                setattr(_backend, method, previous)
-    if _work_wait is not None:
-        setattr(tdist.Work, "wait", _work_wait)  # noqa: B010 -- mypy refuses assigning to a method
-    _installed.clear()
-    _backend = _work_wait = _active = None
+    global _active, _wait_patch
+    remove_collective_hook(_HOOK)
+    if _wait_patch is not None:
+        _wait_patch.restore()
+    _wait_patch = _active = None
