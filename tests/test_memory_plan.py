@@ -189,7 +189,7 @@ def test_pretrained_load_row_is_the_checkpoint_once_plus_every_ranks_partition_a
     shards = _checkpoint(tmp_path / "ckpt", 3 * 2**20, 2**20 + 5)
     cfg = run_config.parse_args(["recipe=tiny_llama", f"model.pretrained_path={shards}"])
     p = mp.plan(cfg)  # 2 nodes x 2 ranks, fp32: rank 0's node maps the checkpoint once, whatever its shard count
-    assert p.load is not None and p.load.bytes == (4 * 2**20 + 5) + 2 * 4 * (-(-P // 4) + V * H)
+    assert p.load is not None and p.load.bytes == (4 * 2**20 + 5) + 2 * 4 * (-(-P // 4) + 2 * V * H)
     assert p.host_peak == max(p.load.bytes, p.host_bytes_per_node) == p.load.bytes
     assert p.host_memory_bytes is None and p.host_fits is None  # --plan: cluster.host_memory_gib=0, not checked
     resharded = mp.plan(run_config.parse_args(["recipe=tiny_llama", f"model.pretrained_path="
@@ -198,8 +198,8 @@ def test_pretrained_load_row_is_the_checkpoint_once_plus_every_ranks_partition_a
     legacy = _checkpoint(tmp_path / "bin", 2**20, suffix="bin")  # no safetensors: transformers reads the .bin
     assert mp.checkpoint_bytes(str(legacy), P) == (2**20, f"1 weight file(s) in {legacy}")
     hub_id = mp.plan(run_config.parse_args(["recipe=tiny_llama", "model.pretrained_path=org/absent"]))
-    assert hub_id.load is not None and hub_id.load.bytes == 2 * P + 2 * 4 * (-(-P // 4) + V * H)
-    assert mp.plan(cfg, World(1, 4, "test")).load.bytes == (4 * 2**20 + 5) + 4 * 4 * (-(-P // 4) + V * H)
+    assert hub_id.load is not None and hub_id.load.bytes == 2 * P + 2 * 4 * (-(-P // 4) + 2 * V * H)
+    assert mp.plan(cfg, World(1, 4, "test")).load.bytes == (4 * 2**20 + 5) + 4 * 4 * (-(-P // 4) + 2 * V * H)
     assert mp.plan(run_config.parse_args(["recipe=tiny_llama"])).load is None  # from scratch: no load row
     assert "pretrained load" in mp.describe(p) and "host peak" in mp.describe(p)
 

@@ -73,22 +73,26 @@ and is planned as the no-mask ``sdpa`` row.
 **Host memory per node** (the node of rank 0, the fullest), the larger of two rows:
 
 pretrained load (``model.pretrained_path``)
-    ``C + g x b x (ceil(P / N) + L)``: C the checkpoint's weight files (their sizes when the path is a local
+    ``C + g x b x (ceil(P / N) + 2 L)``: C the checkpoint's weight files (their sizes when the path is a local
     directory, else 2 bytes x P as the Hub ships Llama and Falcon), g ranks per node, N ranks in all, b the
     parameter width of ``train.precision``, L the largest module. What transformers' ``from_pretrained`` does under
     ZeRO-3 (``_load_pretrained_model``, ``integrations/deepspeed.py``): every rank builds the model inside
-    ``zero.Init`` (each module created whole, then partitioned: L transient, ceil(P / N) kept); rank 0 *alone*
-    opens every shard of the checkpoint (``safe_open``, memory-mapped, all shards mapped until the load ends; the
-    other ranks read the headers onto the meta device), and module by module every rank gathers the module's
-    parameters (L transient), rank 0 copies the file's values in, and they are partitioned again. So the node of rank
-    0 holds the whole checkpoint once, never once per rank, and the shard size does not matter. The checkpoint's pages
-    are clean file pages (reclaimable page cache): a node short of them thrashes and re-reads rather than failing at
-    once, but planning them resident is what keeps the load fast. Python, torch and the libraries themselves are not
-    counted (measured 0.4-0.5 GiB per CPU rank; a CUDA process holds more host memory). Measured with
-    ``benchmarks/pretrained_load_memory.py`` (4 CPU ranks, per rank and node, RSS and PSS): docs/paper.md.
+    ``zero.Init`` (each module created whole, then partitioned: ceil(P / N) kept); rank 0 *alone* opens every shard
+    of the checkpoint (``safe_open``, memory-mapped, all shards mapped until the load ends; the other ranks read only
+    the headers, onto the meta device), and module by module every rank gathers the module's parameters, rank 0
+    copies the file's values in, and they are partitioned again. So the node of rank 0 holds the whole checkpoint
+    once, never once per rank, and the shard size does not matter. 2 L: measured, two copies of the largest module in
+    flight per rank at the peak (``benchmarks/pretrained_load_memory.py``, 4 CPU ranks: per rank and node, RSS and
+    PSS; docs/paper.md). The checkpoint's pages are clean file pages (reclaimable page cache): a node short of them
+    thrashes and re-reads rather than failing at once, but planning them resident is what keeps the load fast. Not
+    counted: Python, torch and the libraries (0.4 GiB per CPU rank; a CUDA process holds more), and freed memory
+    glibc keeps: tensors under its mmap threshold (dynamic, at most 32 MiB) return to the heap, not the system, so a
+    model whose matrices are small (the CPU models) peaks higher with glibc's defaults (measured +57% and +74% over
+    the row at 0.44 B parameters, matrices of 5-12 MiB) than with ``MALLOC_MMAP_THRESHOLD_=131072``, which the
+    measurement uses; from Llama-2-7B up the matrices are 32 MiB or more and mmapped anyway.
 training states
     DeepSpeed's estimate of the host memory per node (offloaded optimizer states and parameters, or the
-    ``zero.Init`` staging buffer), as before.
+    ``zero.Init`` staging buffer): ``host_bytes_per_node``.
 
 What only a GPU can confirm: CUDA's flash and memory-efficient kernels save the same q, k, v, output and log-sum-exp
 (the memory-efficient kernel pads the log-sum-exp to multiples of 32: about 1%), the buffer and reserve terms, and the
@@ -370,8 +374,8 @@ def checkpoint_bytes(spec: str, params: int) -> tuple[int, str]:
 
 def pretrained_load_bytes(checkpoint: int, params: ParameterCounts, width: int, world: World) -> int:
     """Host bytes on rank 0's node while transformers loads a checkpoint under ZeRO-3: the whole checkpoint mapped
-    by rank 0 alone, and on every rank its partition plus one gathered module (the module docstring)."""
-    return checkpoint + world.gpus_per_node * width * (-(-params.total // world.gpus) + params.largest_module)
+    by rank 0 alone, and on every rank its partition plus two copies of the largest module (the module docstring)."""
+    return checkpoint + world.gpus_per_node * width * (-(-params.total // world.gpus) + 2 * params.largest_module)
 
 
 def plan(cfg: Any, world: World | None = None, device: tuple[int | None, str] | None = None,
@@ -437,7 +441,7 @@ def plan(cfg: Any, world: World | None = None, device: tuple[int | None, str] | 
     if model.pretrained_path:
         on_disk, source = checkpoint_bytes(model.pretrained_path, counts.total)
         load = Term("pretrained load", pretrained_load_bytes(on_disk, counts, width, world),
-                    f"{world.gpus_per_node} ranks x {width} bytes x (P / {world.gpus} + largest module) + the "
+                    f"{world.gpus_per_node} ranks x {width} bytes x (P / {world.gpus} + 2 x largest module) + the "
                     f"{_gib(on_disk)} checkpoint ({source})")
     return MemoryPlan(
         recipe=cfg.run.recipe, world=world, hpz_size=hpz, precision=precision,
@@ -519,10 +523,10 @@ def _host_remedies(p: MemoryPlan) -> str:
         if on_disk > 2 * p.params.total:
             options.append(f"the checkpoint saved in bf16 (2 bytes x P = {_gib(2 * p.params.total)} instead of "
                            f"{_gib(on_disk)})")
-        # The partitions of a node add up to b x P / nodes whatever g is: fewer ranks per node save only L each.
-        options.append(f"fewer ranks per node ({_gib(width * p.params.largest_module)} each: the gathered largest "
-                       f"module). A smaller shard size does not help: rank 0 alone maps the whole {_gib(on_disk)} "
-                       f"checkpoint, all its shards at once")
+        # The partitions of a node add up to b x P / nodes whatever g is: fewer ranks per node save only 2 L each.
+        options.append(f"fewer ranks per node ({_gib(2 * width * p.params.largest_module)} each: the largest "
+                       f"module in flight). A smaller shard size does not help: rank 0 alone maps the whole "
+                       f"{_gib(on_disk)} checkpoint, all its shards at once")
     else:
         options.append("less offload (zero.offload_param, then zero.offload_optimizer) or more nodes")
     options.append("cluster.host_memory_gib=<the node's real memory> if it is not what was read")
