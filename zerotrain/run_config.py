@@ -72,7 +72,7 @@ class LossReduction(StrEnum):
 
 
 class MemoryCheck(StrEnum):
-    refuse = "refuse"  # a plan over the device's or a node's host memory stops train.py (exit code 2), before any process group
+    refuse = "refuse"  # a plan over the device's or a node's memory stops train.py (exit 2), before any process group
     warn = "warn"  # logged, and the run starts
     off = "off"  # no plan at start-up
 
