@@ -12,7 +12,7 @@ from configs/<group>/ (model, data, zero, optim, schedule, cluster), and dotted 
 
 Before any process group exists, train.py checks that GPUs it was given are really used (no silent CPU fallback),
 the inputs, and the memory plan (train.memory_check: refuse | warn
-| off against cluster.device_memory_gib).
+| off against cluster.device_memory_gib, and per node against cluster.host_memory_gib or the node's own memory).
 """
 
 # First, before any import that takes time (seconds to minutes on a cluster's shared file system): SLURM's time-limit

@@ -13,7 +13,10 @@ from tools.launcher import PYTHON, run
 from zerotrain import memory_plan as mp
 from zerotrain import models, run_config
 from zerotrain.errors import ConfigError
+from zerotrain.launch.world import World
 from zerotrain.models import ModelConfig, ModelFamily
+
+GIB = 2**30
 
 # Shapes chosen so that h, kvd, f, a and s are not proportional: a wrong coefficient cannot hide behind another.
 LLAMA_GQA = ModelConfig(family="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -172,13 +175,74 @@ def test_start_up_check_refuses_warns_or_passes():
     assert mp.check_at_start(tiny, env).fits is True
 
 
+def _checkpoint(directory, *sizes: int, suffix: str = "safetensors"):
+    """A directory of weight files of these sizes (sparse: nothing is written); the plan reads only their sizes."""
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    for i, size in enumerate(sizes):
+        with open(directory / f"model-{i + 1:05d}-of-{len(sizes):05d}.{suffix}", "wb") as f:
+            f.truncate(size)
+    return directory
+
+
+def test_pretrained_load_row_is_the_checkpoint_once_plus_every_ranks_partition_and_module(tmp_path):
+    shards = _checkpoint(tmp_path / "ckpt", 3 * 2**20, 2**20 + 5)
+    cfg = run_config.parse_args(["recipe=tiny_llama", f"model.pretrained_path={shards}"])
+    p = mp.plan(cfg)  # 2 nodes x 2 ranks, fp32: rank 0's node maps the checkpoint once, whatever its shard count
+    assert p.load is not None and p.load.bytes == (4 * 2**20 + 5) + 2 * 4 * (-(-P // 4) + 2 * V * H)
+    assert p.host_peak == max(p.load.bytes, p.host_bytes_per_node) == p.load.bytes
+    assert p.host_memory_bytes is None and p.host_fits is None  # --plan: cluster.host_memory_gib=0, not checked
+    resharded = mp.plan(run_config.parse_args(["recipe=tiny_llama", f"model.pretrained_path="
+                                               f"{_checkpoint(tmp_path / 'one', 4 * 2**20 + 5)}"]))
+    assert resharded.load is not None and resharded.load.bytes == p.load.bytes  # the shard size does not matter
+    legacy = _checkpoint(tmp_path / "bin", 2**20, suffix="bin")  # no safetensors: transformers reads the .bin
+    assert mp.checkpoint_bytes(str(legacy), P) == (2**20, f"1 weight file(s) in {legacy}")
+    hub_id = mp.plan(run_config.parse_args(["recipe=tiny_llama", "model.pretrained_path=org/absent"]))
+    assert hub_id.load is not None and hub_id.load.bytes == 2 * P + 2 * 4 * (-(-P // 4) + 2 * V * H)
+    assert mp.plan(cfg, World(1, 4, "test")).load.bytes == (4 * 2**20 + 5) + 4 * 4 * (-(-P // 4) + 2 * V * H)
+    assert mp.plan(run_config.parse_args(["recipe=tiny_llama"])).load is None  # from scratch: no load row
+    assert "pretrained load" in mp.describe(p) and "host peak" in mp.describe(p)
+
+
+def test_host_check_refuses_a_load_over_the_nodes_memory_and_passes_under_it(tmp_path):
+    huge = _checkpoint(tmp_path / "ckpt", 6 * GIB, 2 * GIB)  # 8 GiB, sparse
+    cfg = run_config.parse_args(["recipe=tiny_llama", f"model.pretrained_path={huge}", "cluster.host_memory_gib=4"])
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    with pytest.raises(ConfigError) as refused:
+        mp.check_at_start(cfg, env)
+    message = str(refused.value)
+    for needed in ("of host memory per node (pretrained load) exceeds the node's 4.00 GiB (cluster.host_memory_gib)",
+                   "8.00 GiB checkpoint", "rank 0 alone maps the whole 8.00 GiB checkpoint", "fewer ranks per node",
+                   "train.memory_check=warn"):
+        assert needed in message, needed
+    assert "per GPU exceeds the device" not in message  # the device is not the problem
+    cfg.train.memory_check = run_config.MemoryCheck.warn
+    assert mp.check_at_start(cfg, env).host_fits is False  # warned, not refused
+    cfg.train.memory_check = run_config.MemoryCheck.refuse
+    cfg.cluster.host_memory_gib = 9.0  # negative control: the same check passes on a node that holds the load
+    assert mp.check_at_start(cfg, env).host_fits is True
+    cfg.cluster.host_memory_gib = 0  # at start-up: this machine's own memory (MemTotal or the job's cgroup limit)
+    at_start = mp.check_at_start(run_config.parse_args(["recipe=tiny_llama"]), env)
+    assert at_start.host_memory_bytes and at_start.host_memory_bytes <= mp._meminfo_total()
+    assert "MemTotal" in at_start.host_source or "cgroup" in at_start.host_source
+
+
+def test_host_check_names_offloaded_states_when_they_dominate():
+    cfg = run_config.parse_args(["recipe=paper_llama2_7b", "zero=zero3_offload_optimizer",
+                                 "model.pretrained_path=org/absent", "cluster.host_memory_gib=64"])
+    p = mp.plan(cfg, host=mp.host_memory(cfg.cluster))
+    assert p.load is not None and p.host_bytes_per_node > p.load.bytes and p.host_fits is False
+    with pytest.raises(ConfigError, match=r"\(training states\) exceeds.*less offload"):
+        mp.check_at_start(cfg, {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "RANK": "1"})
+
+
 def test_train_py_plan_and_refusal_before_any_process_group(tmp_path):
     out = run([PYTHON, "train.py", "recipe=tiny_llama", "cluster.device_memory_gib=2", "--plan"], timeout=300)
     assert out.returncode == 0, out.stderr
     for term in ("model states", "hpZ secondary shard", "activations", "logits and loss", "buffers", "reserve",
                  "total", "with activation checkpointing"):
         assert term in out.stdout
-    assert "fits" in out.stdout
+    assert "fits" in out.stdout and "host peak" in out.stdout
     # In a run directory of its own: the demo's (runs/tiny-llama) may hold a finished run, which would say so first.
     refused = run([PYTHON, "train.py", "recipe=tiny_llama", "cluster.device_memory_gib=0.001", "train.steps=1",
                    f"run.output_dir={tmp_path}"], timeout=300, check=False)

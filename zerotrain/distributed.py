@@ -56,6 +56,10 @@ class ClusterConfig:
     device_memory_gib: float = bounded(0.0, ge=0, le=4096)
     """Memory of one device in GiB, for the memory plan (train.py --plan) and its start-up check; 0: a visible
     CUDA device's own total, or unchecked on the CPU."""
+    host_memory_gib: float = bounded(0.0, ge=0, le=65536)
+    """Host memory of one node in GiB, for the memory plan's host row (a pretrained load, offloaded states) and its
+    start-up check; 0: at start-up the node's own (MemTotal, or the job's cgroup limit when lower), in --plan
+    unchecked."""
     nodes: int = bounded(1, ge=1, le=65536)
     """Nodes the recipe is meant for: the shape ``--plan`` plans for. The start-up check uses the launched job's."""
     gpus_per_node: int = bounded(1, ge=1, le=1024)

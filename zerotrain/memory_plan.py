@@ -3,8 +3,8 @@
     python train.py recipe=paper_llama2_70b --plan          # per-GPU terms, the total, against the cluster's device
 
 ``train.py`` makes the same plan at start-up, for the job's real world size, and refuses to start when the total
-exceeds the device's memory (``cluster.device_memory_gib``), or only warns (``train.memory_check=refuse|warn|off``).
-Terms, per GPU, in bytes:
+exceeds the device's memory (``cluster.device_memory_gib``), or a node's host memory (``cluster.host_memory_gib``)
+is exceeded, or only warns (``train.memory_check=refuse|warn|off``). Terms, per GPU, in bytes:
 
 model states
     DeepSpeed's own estimator, ``estimate_zero3_model_states_mem_needs`` (``deepspeed/runtime/zero/stage3.py``), fed
@@ -70,6 +70,30 @@ documents (nearly every window), unpacked ones a padding mask, and Falcon's ``sd
 ``flash_attention_2`` is not measured (no CPU kernel): it saves what the fused sdpa kernels save, without a mask,
 and is planned as the no-mask ``sdpa`` row.
 
+**Host memory per node** (the node of rank 0, the fullest), the larger of two rows:
+
+pretrained load (``model.pretrained_path``)
+    ``C + g x b x (ceil(P / N) + 2 L)``: C the checkpoint's weight files (their sizes when the path is a local
+    directory, else 2 bytes x P as the Hub ships Llama and Falcon), g ranks per node, N ranks in all, b the
+    parameter width of ``train.precision``, L the largest module. What transformers' ``from_pretrained`` does under
+    ZeRO-3 (``_load_pretrained_model``, ``integrations/deepspeed.py``): every rank builds the model inside
+    ``zero.Init`` (each module created whole, then partitioned: ceil(P / N) kept); rank 0 *alone* opens every shard
+    of the checkpoint (``safe_open``, memory-mapped, all shards mapped until the load ends; the other ranks read only
+    the headers, onto the meta device), and module by module every rank gathers the module's parameters, rank 0
+    copies the file's values in, and they are partitioned again. So the node of rank 0 holds the whole checkpoint
+    once, never once per rank, and the shard size does not matter. 2 L: measured, two copies of the largest module in
+    flight per rank at the peak (``benchmarks/pretrained_load_memory.py``, 4 CPU ranks: per rank and node, RSS and
+    PSS; docs/paper.md). The checkpoint's pages are clean file pages (reclaimable page cache): a node short of them
+    thrashes and re-reads rather than failing at once, but planning them resident is what keeps the load fast. Not
+    counted: Python, torch and the libraries (0.4 GiB per CPU rank; a CUDA process holds more), and freed memory
+    glibc keeps: tensors under its mmap threshold (dynamic, at most 32 MiB) return to the heap, not the system, so a
+    model whose matrices are small (the CPU models) peaks higher with glibc's defaults (measured +57% and +74% over
+    the row at 0.44 B parameters, matrices of 5-12 MiB) than with ``MALLOC_MMAP_THRESHOLD_=131072``, which the
+    measurement uses; from Llama-2-7B up the matrices are 32 MiB or more and mmapped anyway.
+training states
+    DeepSpeed's estimate of the host memory per node (offloaded optimizer states and parameters, or the
+    ``zero.Init`` staging buffer): ``host_bytes_per_node``.
+
 What only a GPU can confirm: CUDA's flash and memory-efficient kernels save the same q, k, v, output and log-sum-exp
 (the memory-efficient kernel pads the log-sum-exp to multiples of 32: about 1%), the buffer and reserve terms, and the
 total against ``torch.cuda.max_memory_allocated`` (``benchmarks/gpu_check.py``'s training step).
@@ -81,6 +105,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,6 +251,12 @@ class MemoryPlan:
     """The device's memory; None: unknown, no check."""
     device_source: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    load: Term | None = None
+    """Host bytes on rank 0's node while ``model.pretrained_path`` loads (:func:`pretrained_load_bytes`); None: the
+    model is built from scratch."""
+    host_memory_bytes: int | None = None
+    """One node's host memory; None: unknown, no check."""
+    host_source: str = ""
 
     @property
     def total(self) -> int:
@@ -242,6 +273,15 @@ class MemoryPlan:
     @property
     def fits(self) -> bool | None:
         return None if self.device_bytes is None else self.total <= self.device_bytes
+
+    @property
+    def host_peak(self) -> int:
+        """Host bytes per node: the pretrained load or the training states, whichever is larger."""
+        return max(self.load.bytes if self.load else 0, self.host_bytes_per_node)
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_memory_bytes is None else self.host_peak <= self.host_memory_bytes
 
 
 def _zero_settings(zero: Mapping[str, Any]):
@@ -291,15 +331,64 @@ def device_memory(cluster: Any, local_rank: int = 0) -> tuple[int | None, str]:
     return None, "unknown (cluster.device_memory_gib=0)"
 
 
+def _meminfo_total(meminfo: Path = Path("/proc/meminfo")) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError(f"{meminfo} has no MemTotal line")
+
+
+def _cgroup_limit(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """This process's cgroup v2 memory limit (``memory.max``: SLURM's --mem), None when unlimited or unreadable."""
+    try:
+        relative = Path("/proc/self/cgroup").read_text().strip().rpartition(":")[2].lstrip("/")
+        limit = (cgroup_root / relative / "memory.max").read_text().strip()
+    except OSError:
+        return None
+    return None if limit == "max" else int(limit)
+
+
+def host_memory(cluster: Any, at_start: bool = False) -> tuple[int | None, str]:
+    """One node's host bytes: ``cluster.host_memory_gib``, else at start-up (on the node itself) its MemTotal or
+    the job's cgroup limit, whichever is lower, else unknown (``--plan`` on a login node knows nothing of the
+    compute nodes)."""
+    if cluster.host_memory_gib > 0:
+        return int(cluster.host_memory_gib * GIB), "cluster.host_memory_gib"
+    if not at_start:
+        return None, "unknown (cluster.host_memory_gib=0)"
+    total, limit = _meminfo_total(), _cgroup_limit()
+    if limit is not None and limit < total:
+        return limit, "this job's cgroup memory.max (cluster.host_memory_gib=0)"
+    return total, "this node's MemTotal (cluster.host_memory_gib=0)"
+
+
+def checkpoint_bytes(spec: str, params: int) -> tuple[int, str]:
+    """The bytes of a checkpoint's weight files (what transformers reads: the safetensors, else the .bin files) when
+    ``spec`` is a local directory; else (a Hub id, a path on another machine) 2 bytes per parameter."""
+    directory = Path(spec)
+    files = (sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))) if directory.is_dir() else []
+    if files:
+        return sum(f.stat().st_size for f in files), f"{len(files)} weight file(s) in {directory}"
+    return 2 * params, "2 bytes x P, not a local directory: the Hub's Llama and Falcon weights are bf16/fp16"
+
+
+def pretrained_load_bytes(checkpoint: int, params: ParameterCounts, width: int, world: World) -> int:
+    """Host bytes on rank 0's node while transformers loads a checkpoint under ZeRO-3: the whole checkpoint mapped
+    by rank 0 alone, and on every rank its partition plus two copies of the largest module (the module docstring)."""
+    return checkpoint + world.gpus_per_node * width * (-(-params.total // world.gpus) + 2 * params.largest_module)
+
+
 def plan(cfg: Any, world: World | None = None, device: tuple[int | None, str] | None = None,
-         checkpointing: bool | None = None) -> MemoryPlan:
+         checkpointing: bool | None = None, host: tuple[int | None, str] | None = None) -> MemoryPlan:
     """The per-GPU memory plan of a run config (``zerotrain.run_config.Config``) on ``world`` (default: the
-    recipe's planned world), against ``device`` (default: :func:`device_memory`). ``checkpointing`` overrides the
-    config's activation checkpointing (for callers that build the model themselves, e.g. the GPU check)."""
+    recipe's planned world), against ``device`` (default: :func:`device_memory`) and ``host`` (default:
+    :func:`host_memory`). ``checkpointing`` overrides the config's activation checkpointing (for callers that build
+    the model themselves, e.g. the GPU check)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     world = world or planned_world(cfg.cluster)
     device = device or device_memory(cfg.cluster)
+    host = host or host_memory(cfg.cluster)
     model, train = cfg.model, cfg.train
     precision = str(train.precision)
     width = 4 if precision == "fp32" else 2
@@ -307,7 +396,7 @@ def plan(cfg: Any, world: World | None = None, device: tuple[int | None, str] | 
     counts = count_parameters(model, zero.param_persistence_threshold)
     offload_optimizer = _offload_device(zero.offload_optimizer) is not None
     offload_param = _offload_device(zero.offload_param) is not None
-    host, states, _ = estimate_zero3_model_states_mem_needs(
+    host_states, states, _ = estimate_zero3_model_states_mem_needs(
         counts.total, counts.largest_module, num_gpus_per_node=world.gpus_per_node, num_nodes=world.nodes,
         cpu_offload=offload_optimizer, cpu_offload_params=offload_optimizer and offload_param, zero_init=True)
     notes = []
@@ -348,12 +437,19 @@ def plan(cfg: Any, world: World | None = None, device: tuple[int | None, str] | 
         Term("reserve", RESERVE_BYTES if gpu else 0,
              "CUDA context, NCCL, cuBLAS, fragmentation (a guess)" if gpu else "CPU cluster: none"),
     )
+    load = None
+    if model.pretrained_path:
+        on_disk, source = checkpoint_bytes(model.pretrained_path, counts.total)
+        load = Term("pretrained load", pretrained_load_bytes(on_disk, counts, width, world),
+                    f"{world.gpus_per_node} ranks x {width} bytes x (P / {world.gpus} + 2 x largest module) + the "
+                    f"{_gib(on_disk)} checkpoint ({source})")
     return MemoryPlan(
         recipe=cfg.run.recipe, world=world, hpz_size=hpz, precision=precision,
         micro_batch_size=train.micro_batch_size, seq_len=train.seq_len, checkpointing=checkpointing,
         attention=_attention_path(model, attn_impl, masked), params=counts, terms=terms,
-        activations_other=activations(not checkpointing), host_bytes_per_node=int(host), device_bytes=device[0],
-        device_source=device[1], notes=tuple(notes))
+        activations_other=activations(not checkpointing), host_bytes_per_node=int(host_states),
+        device_bytes=device[0], device_source=device[1], notes=tuple(notes), load=load,
+        host_memory_bytes=host[0], host_source=host[1])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -373,6 +469,14 @@ def verdict(p: MemoryPlan) -> str:
     return f"of {_gib(p.device_bytes)} ({p.device_source}): {state}"
 
 
+def host_verdict(p: MemoryPlan) -> str:
+    if p.host_memory_bytes is None:
+        return f"host memory {p.host_source}: not checked"
+    room = p.host_memory_bytes - p.host_peak
+    state = f"fits, {_gib(room)} to spare" if room >= 0 else f"DOES NOT FIT, {_gib(-room)} over"
+    return f"of {_gib(p.host_memory_bytes)} ({p.host_source}): {state}"
+
+
 def describe(p: MemoryPlan) -> str:
     """The plan as the ``--plan`` printout."""
     head = (f"memory plan per GPU: recipe {p.recipe or '-'}, {p.params.total:,} parameters (largest module "
@@ -385,7 +489,10 @@ def describe(p: MemoryPlan) -> str:
     other = "with" if not p.checkpointing else "without"
     lines.append(f"  {other} activation checkpointing: activations {_gib(p.activations_other)}, total "
                  f"{_gib(p.total_other)}")
-    lines.append(f"  host memory per node (DeepSpeed's estimate): {_gib(p.host_bytes_per_node)}")
+    lines.append("host memory per node (rank 0's node):")
+    host = ([p.load] if p.load else []) + [Term("training states", p.host_bytes_per_node, "DeepSpeed's estimate")]
+    lines += [f"  {t.name:<{width}}  {_gib(t.bytes):>12}  {t.note}" for t in host]
+    lines.append(f"  {'host peak':<{width}}  {_gib(p.host_peak):>12}  {host_verdict(p)}")
     lines += [f"  note: {n}" for n in p.notes]
     return "\n".join(lines)
 
@@ -400,23 +507,61 @@ def _remedies(p: MemoryPlan, can_checkpoint: bool) -> str:
     return "; ".join(options)
 
 
+def _host_remedies(p: MemoryPlan) -> str:
+    """What would bring the host peak under the node's memory, with the numbers."""
+    assert p.host_memory_bytes is not None
+    options = []
+    if p.load and p.load.bytes >= p.host_bytes_per_node:
+        width = 4 if p.precision == "fp32" else 2
+        on_disk = p.load.bytes - pretrained_load_bytes(0, p.params, width, p.world)
+        for nodes in (2 * p.world.nodes, 4 * p.world.nodes, 8 * p.world.nodes):
+            more = World(nodes, p.world.gpus_per_node, "")
+            if pretrained_load_bytes(on_disk, p.params, width, more) <= p.host_memory_bytes:
+                options.append(f"more nodes ({nodes}: pretrained load "
+                               f"{_gib(pretrained_load_bytes(on_disk, p.params, width, more))})")
+                break
+        if on_disk > 2 * p.params.total:
+            options.append(f"the checkpoint saved in bf16 (2 bytes x P = {_gib(2 * p.params.total)} instead of "
+                           f"{_gib(on_disk)})")
+        # The partitions of a node add up to b x P / nodes whatever g is: fewer ranks per node save only 2 L each.
+        options.append(f"fewer ranks per node ({_gib(2 * width * p.params.largest_module)} each: the largest "
+                       f"module in flight). A smaller shard size does not help: rank 0 alone maps the whole "
+                       f"{_gib(on_disk)} checkpoint, all its shards at once")
+    else:
+        options.append("less offload (zero.offload_param, then zero.offload_optimizer) or more nodes")
+    options.append("cluster.host_memory_gib=<the node's real memory> if it is not what was read")
+    return "; ".join(options)
+
+
 def check_at_start(cfg: Any, environ: Mapping[str, str] = os.environ) -> MemoryPlan | None:
     """The start-up check of ``train.py``, before any process group: the plan for the launched world against the
-    device. ``refuse`` raises :class:`ConfigError` when it does not fit, ``warn`` logs (rank 0), ``off`` skips."""
+    device and against the node's host memory. ``refuse`` raises :class:`ConfigError` when either does not fit,
+    ``warn`` logs (rank 0), ``off`` skips."""
     policy = str(cfg.train.memory_check)
     if policy == "off":
         return None
     local_rank = int(environ.get("LOCAL_RANK") or environ.get("SLURM_LOCALID") or 0)
-    p = plan(cfg, launched_world(environ), device_memory(cfg.cluster, local_rank))
+    p = plan(cfg, launched_world(environ), device_memory(cfg.cluster, local_rank),
+             host=host_memory(cfg.cluster, at_start=True))
     rank0 = (environ.get("RANK") or environ.get("SLURM_PROCID") or "0") == "0"
     if rank0:
-        log.info("memory plan: %s per GPU %s", _gib(p.total), verdict(p))
-    if p.fits is not False:
+        log.info("memory plan: %s per GPU %s; host %s per node %s", _gib(p.total), verdict(p), _gib(p.host_peak),
+                 host_verdict(p))
+    problems = []
+    if p.fits is False:
+        assert p.device_bytes is not None  # a verdict needs the device's size
+        remedies = _remedies(p, can_checkpoint=hasattr(cfg.train, "activation_checkpointing"))
+        problems.append(f"memory plan: {_gib(p.total)} per GPU exceeds the device's {_gib(p.device_bytes)} "
+                        f"({p.device_source}) by {_gib(p.total - p.device_bytes)}. To fit: {remedies}.")
+    if p.host_fits is False:
+        assert p.host_memory_bytes is not None
+        what = "pretrained load" if p.load and p.load.bytes >= p.host_bytes_per_node else "training states"
+        problems.append(f"memory plan: {_gib(p.host_peak)} of host memory per node ({what}) exceeds the node's "
+                        f"{_gib(p.host_memory_bytes)} ({p.host_source}) by {_gib(p.host_peak - p.host_memory_bytes)}"
+                        f". To fit: {_host_remedies(p)}.")
+    if not problems:
         return p
-    assert p.device_bytes is not None  # a verdict needs the device's size
-    remedies = _remedies(p, can_checkpoint=hasattr(cfg.train, "activation_checkpointing"))
-    message = (f"memory plan: {_gib(p.total)} per GPU exceeds the device's {_gib(p.device_bytes)} "
-               f"({p.device_source}) by {_gib(p.total - p.device_bytes)}:\n{describe(p)}\nTo fit: {remedies}.")
+    message = "\n".join(problems) + f"\n{describe(p)}"
     if policy == "refuse":
         raise ConfigError(message + "\nTo start anyway: train.memory_check=warn (or off).")
     if rank0:

@@ -72,7 +72,7 @@ class LossReduction(StrEnum):
 
 
 class MemoryCheck(StrEnum):
-    refuse = "refuse"  # a plan over the device's memory stops train.py (exit code 2), before any process group
+    refuse = "refuse"  # a plan over the device's or a node's memory stops train.py (exit 2), before any process group
     warn = "warn"  # logged, and the run starts
     off = "off"  # no plan at start-up
 
@@ -129,7 +129,9 @@ class TrainConfig:
     micro_batch: each micro-batch's own mean, then averaged (what a plain per-forward mean gives)."""
     memory_check: MemoryCheck = MemoryCheck.refuse
     """refuse | warn | off: what train.py does at start-up when the memory plan (zerotrain.memory_plan) exceeds
-    cluster.device_memory_gib. refuse exits with code 2 before any process group; warn starts anyway."""
+    cluster.device_memory_gib, or its host row (a pretrained load, offloaded states) a node's memory
+    (cluster.host_memory_gib; 0: the node's own). refuse exits with code 2 before any process group; warn starts
+    anyway."""
 
     def log_due(self, step: int) -> bool:
         return step % self.log_interval == 0 or step == self.steps
