@@ -227,7 +227,7 @@ class PreemptionHandler:
                     f"the same command to continue from it")
         if self.received == signal.SIGUSR1:
             return f"preempted at step {step}: checkpoint saved, exiting for requeue (SIGUSR1, the time-limit warning)"
-        if self.received is not None:
+        if self.received is not None and self.received != signal.SIGINT:  # Ctrl-C here, a preemption elsewhere: below
             name = signal.Signals(self.received).name
             if _logging_rank() and slurm_requeued():
                 return (f"requeued by SLURM ({name}: scontrol requeue or a preemption): checkpoint saved at step "
