@@ -57,14 +57,24 @@ def when(predicate: Callable[[], Any], timeout: float = 600.0, poll: float = 0.0
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for the launched processes")
 
 
+def to_launcher_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group of ``pid``'s parent (a torchrun agent: its ranks run in sessions of their
+    own), as Ctrl-C in a terminal does to its foreground group."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+    os.killpg(os.getpgid(parent), sig)
+
+
 class Signaller(threading.Thread):
     """Send ``sig`` to rank ``rank`` of the launch marked ``marker`` once ``ready(pid)`` holds (by default: it is
-    importing torch); ``result()`` gives the monotonic time it was sent, or re-raises what went wrong."""
+    importing torch), with ``send(pid, sig)`` (``os.kill``; :func:`to_launcher_group`: Ctrl-C); ``result()`` gives
+    the monotonic time it was sent, or re-raises what went wrong."""
 
     def __init__(self, marker: str, rank: int, sig: int, ready: Callable[[int], bool] = importing_torch,
-                 rank_key: RankKey = b"RANK"):
+                 rank_key: RankKey = b"RANK", send: Callable[[int, int], None] = os.kill):
         super().__init__(daemon=True)
         self.marker, self.rank, self.sig, self.ready, self.rank_key = marker, rank, sig, ready, rank_key
+        self.send = send
         self.sent_at: float | None = None
         self.error: BaseException | None = None
         self.start()
@@ -73,7 +83,7 @@ class Signaller(threading.Thread):
         try:
             pid = when(lambda: train_processes(self.marker, self.rank_key).get(self.rank))
             when(lambda: self.ready(pid), poll=0.01)
-            os.kill(pid, self.sig)
+            self.send(pid, self.sig)
             self.sent_at = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - handed to the test
             self.error = e

@@ -31,7 +31,18 @@ def losses(run_dir: Path) -> dict[int, float]:
             if "loss" in r}
 
 
+def flip_a_bit(shard: Path) -> bytes:
+    """Flip one bit inside the fp32 Adam moments (same size, still unpickles); returns the original bytes."""
+    original = shard.read_bytes()
+    data = bytearray(original)
+    data[len(data) * 3 // 4] ^= 0x10
+    shard.write_bytes(bytes(data))
+    return original
+
+
 def test_full_disk_fails_clearly_removes_the_partial_save_and_keeps_latest(small_disk, shakespeare):
+    """Also, on the checkpoints this 2-rank run leaves: a flipped bit in rank 1's shard is named by the process that
+    prints (rank 0), and a relaunch with a lower checkpoint.keep_last, as the message advises, makes room first."""
     args = [*TINY, "train.steps=6", f"run.output_dir={small_disk}", "run.name=full",
             f"data.train.0.path={shakespeare}"]
     proc = torchrun(2, "train.py", *args, check=False, timeout=900)
@@ -46,12 +57,31 @@ def test_full_disk_fails_clearly_removes_the_partial_save_and_keeps_latest(small
     assert not list(root.glob(".*partial")), "the partial save must be removed: it would keep the disk full"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004"]
 
-    # With room again the same command resumes from step 4 and finishes.
-    subprocess.run(["mount", "-o", "remount,size=40m", str(small_disk)], check=True)
-    again = torchrun(2, "train.py", *args, timeout=900)
-    assert "resumed from" in again.stdout + again.stderr
+    assert "lower checkpoint.keep_last (a save short of space first deletes the oldest checkpoints down to " \
+           "keep_last - 1, never latest)" in out
+    # The control of the relaunch below: with keep_last=3 nothing was deleted before the save (step 2 is still here).
+
+    # Rank 1 verifies its own shards on resume; under torchrun only rank 0 prints, and it names rank 1's file.
+    shard = root / "step_00000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    original = flip_a_bit(shard)
+    relaunch = [*args, "checkpoint.keep_last=1"]
+    corrupt = run([PYTHON, "-m", "zerotrain.launch.torchrun", "--standalone", "--nproc_per_node=2", "train.py",
+                   *relaunch], check=False, timeout=900)
+    out = corrupt.stdout + corrupt.stderr
+    assert corrupt.returncode == 2, out[-3000:]
+    named = rf"error: checkpoint file {re.escape(str(shard))} is corrupt: its CRC32 differs from the one recorded"
+    assert re.search(named + r" when it was written \([0-9a-f]{8}, recorded [0-9a-f]{8}: a flipped bit", out), out
+    assert "on another rank (see its message)" not in out and "Traceback" not in out
+    shard.write_bytes(original)
+
+    # The same disk, relaunched with checkpoint.keep_last=1: step 2 goes before the save of step 6, which fits.
+    again = torchrun(2, "train.py", *relaunch, timeout=900)
+    out = again.stdout + again.stderr
+    assert "resumed from" in out and "free before saving step_00000006: deleted step_00000002 first " \
+           "(checkpoint.keep_last=1), latest stays at step_00000004" in out, out[-3000:]
     assert sorted(losses(small_disk / "full")) == [1, 2, 3, 4, 5, 6]
     assert (root / "latest").read_text() == "step_00000006"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000006"]
 
 
 def test_low_space_skip_policy_skips_the_save_and_the_run_completes(small_disk, shakespeare):
@@ -88,9 +118,7 @@ def _resume(run_dir: Path, shakespeare: Path, *extra: str) -> subprocess.Complet
 def test_a_flipped_bit_in_an_optimizer_shard_is_caught_on_resume(one_rank_run, tmp_path, shakespeare):
     run_dir = _copy(one_rank_run, tmp_path)
     shard = run_dir / "checkpoints" / "step_00000002" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    data = bytearray(shard.read_bytes())
-    data[len(data) * 3 // 4] ^= 0x10  # inside the fp32 Adam moments: same size, still unpickles
-    shard.write_bytes(bytes(data))
+    flip_a_bit(shard)
     proc = _resume(run_dir, shakespeare)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"checkpoint file {shard} is corrupt: its CRC32 differs" in proc.stderr

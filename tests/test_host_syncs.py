@@ -17,7 +17,7 @@ from tools.launcher import torchrun
 STEPS = 10
 HOST_SYNCS = ("Tensor.item", "Tensor.cpu", "Tensor.tolist", "Tensor.numpy", "Tensor.__bool__", "Tensor.__float__",
               "Tensor.__int__", "cuda.synchronize", "accelerator.synchronize")
-# Known and not this loop's: the per-step agreement on a stop signal (launch/preemption.py _agree_any, a MAX
+# Known and not this loop's: the per-step agreement on a stop signal (launch/preemption.py _agree_max, a MAX
 # all-reduce and .item() every step) is its own follow-up; it is listed, not counted.
 NOT_COUNTED = ("zerotrain/launch/preemption.py:",)
 

@@ -10,17 +10,21 @@ killed during start-up, a rank that never joins. Real train.py, real torchrun, r
 * A rank whose peer never joins fails after ``cluster.init_timeout_s`` with a message instead of hanging.
 * A rank stopped (SIGSTOP) during training ends the run after ``cluster.collective_timeout_s``, exit 5, with a
   message naming the key (the control: with the default 30 minutes the run is still waiting).
+* Ctrl-C (SIGINT to the launcher's process group) during training ends the run with one line and exit 130; with
+  ``checkpoint.on_interrupt=true`` a checkpoint is saved at the step boundary first (plain torchrun: exit 1 and a
+  traceback).
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from processes import Signaller
+from processes import Signaller, to_launcher_group
 
 from tools.launcher import PYTHON, REPO, LaunchTimeout, free_port, run
 
@@ -143,6 +147,53 @@ def test_a_stopped_rank_ends_the_run_after_the_collective_timeout(shakespeare, t
     # Negative control: with the default (30 minutes) the same run is still waiting well past that moment.
     with pytest.raises(LaunchTimeout):
         stopped_rank_run(shakespeare, tmp_path / "default", timeout=ended + 30)
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------------------------------
+
+
+def interrupted_run(shakespeare, tmp_path: Path, *args: str):
+    """A 2-rank run under the wrapper that gets Ctrl-C (SIGINT to its process group) once a step is logged."""
+    marker, env = marked()
+    metrics = tmp_path / "c" / "metrics.jsonl"
+    signaller = Signaller(marker, 0, signal.SIGINT, ready=lambda _pid: metrics.exists() and "loss" in
+                          metrics.read_text(), send=to_launcher_group)
+    run_args = [*TINY, "train.steps=500", f"data.train.0.path={shakespeare}", f"run.output_dir={tmp_path}",
+                "run.name=c", *args]
+    proc = run([*WRAPPER, "--nproc_per_node=2", "train.py", *run_args], env=env, check=False, timeout=900)
+    signaller.result()
+    return proc, proc.stdout + proc.stderr, tmp_path / "c" / "checkpoints"
+
+
+def test_ctrl_c_with_checkpoint_on_interrupt_saves_at_the_step_boundary_and_exits_130(shakespeare, tmp_path):
+    proc, out, root = interrupted_run(shakespeare, tmp_path, "checkpoint.on_interrupt=true")
+    assert proc.returncode == 130, out[-3000:]
+    saved = re.findall(r"interrupted \(SIGINT\): checkpoint saved at step (\d+) \(checkpoint.on_interrupt=true\); "
+                       r"relaunch the same command to continue from it", out)
+    assert len(saved) == 1, out[-3000:]
+    assert (root / "latest").read_text() == f"step_{int(saved[0]):08d}"
+    assert out.count("SIGINT received: will checkpoint") == 1, "acknowledged once, by rank 0"
+    assert "Traceback" not in out and "death signal" not in out and "closing signal" not in out
+
+
+def test_ctrl_c_stops_at_once_in_one_line_and_exits_130(shakespeare, tmp_path):
+    """The control of the one above: without checkpoint.on_interrupt no checkpoint is saved."""
+    proc, out, root = interrupted_run(shakespeare, tmp_path)
+    assert proc.returncode == 130, out[-3000:]
+    lines = [line for line in out.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and re.fullmatch(
+        r"interrupted: after step \d+, no checkpoint saved on the way out: no checkpoint exists yet; "
+        r"checkpoint.on_interrupt=true saves one at the step boundary first", lines[0]), out[-3000:]
+    assert not (root / "latest").exists()
+    assert "Traceback" not in out and "death signal" not in out
+
+
+def test_negative_control_plain_torchrun_exits_1_with_a_traceback_on_ctrl_c():
+    marker, env = marked()
+    signaller = Signaller(marker, 0, signal.SIGINT, send=to_launcher_group)  # during the ranks' start-up
+    proc = run([*TORCHRUN, "--nproc_per_node=2", "train.py", "recipe=tiny_llama"], env=env, check=False, timeout=600)
+    signaller.result()
+    assert proc.returncode == 1 and "SignalException" in proc.stderr, proc.stderr[-3000:]
 
 
 # ---- a rank that never joins -------------------------------------------------------------------------------------

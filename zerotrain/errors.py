@@ -10,6 +10,8 @@ package raises one of these types (or a subclass defined next to the code that r
 4     ``hpz.verify=true`` found a secondary shard that differs from its primary partitions
 5     a collective timed out (``cluster.collective_timeout_s``): another rank is stopped, hung or lost
 75    preempted: a checkpoint was saved, requeue the job (``slurm/train.sbatch`` does)
+130   interrupted (Ctrl-C, SIGINT; 128 + 2 as a shell reports it): with ``checkpoint.on_interrupt`` a checkpoint
+      was saved at the step boundary first
 ====  ====================================================================================================
 
 Python itself exits 1 on an uncaught exception (a bug, not a user error) and 2 on its own usage errors; shells use
@@ -25,6 +27,7 @@ EXIT_DIVERGED = 3
 EXIT_HPZ_VERIFICATION = 4
 EXIT_COLLECTIVE_TIMEOUT = 5
 EXIT_REQUEUE = 75
+EXIT_INTERRUPTED = 130
 
 
 class ZerotrainError(Exception):

@@ -48,7 +48,7 @@ from zerotrain import (
 )
 from zerotrain import engine as engine_lib
 from zerotrain.data.loader import build_loader, build_valid_loader
-from zerotrain.errors import EXIT_OK, EXIT_REQUEUE, StorageError, TrainingDiverged, ZerotrainError
+from zerotrain.errors import EXIT_OK, CheckpointError, StorageError, TrainingDiverged, ZerotrainError
 from zerotrain.hpz import options as hpz_options
 from zerotrain.hpz.config import GradReduce
 from zerotrain.hpz.emulated_run import EmulatedRun
@@ -329,9 +329,12 @@ class Trainer:
 
     def fit(self) -> int:
         """Train to ``train.steps``. Returns 0 when done or stopped at ``train.exit_interval``, 75 when preempted
-        (checkpoint saved); raises :class:`~zerotrain.errors.TrainingDiverged` on a non-finite loss under
-        ``train.nan_policy=stop`` (at the first log step, checkpoint or exit after it)."""
+        and 130 when interrupted under ``checkpoint.on_interrupt`` (checkpoint saved); raises
+        :class:`~zerotrain.errors.TrainingDiverged` on a non-finite loss under ``train.nan_policy=stop`` (at the first
+        log step, checkpoint or exit after it) and ``KeyboardInterrupt`` (Ctrl-C otherwise) saying where it stopped."""
         train = self.cfg.train
+        if self.cfg.checkpoint.on_interrupt:
+            self.preemption.catch_interrupt()
         try:
             while self.state.step < train.steps:
                 step = self.state.step + 1
@@ -357,7 +360,7 @@ class Trainer:
                 if self.preemption.should_stop():
                     self._checked_save()
                     log.info("%s", self.preemption.stop_message(step))
-                    return EXIT_REQUEUE
+                    return self.preemption.exit_code
                 if train.exit_due(step):
                     self._checked_save()
                     log.info("step %d: train.exit_interval reached, checkpoint saved; relaunch to continue", step)
@@ -369,6 +372,8 @@ class Trainer:
                 if self.cfg.checkpoint.export_hf:
                     self._export()
             return EXIT_OK
+        except KeyboardInterrupt as e:
+            raise KeyboardInterrupt(self._interrupted(str(e))) from None
         finally:
             if self.profiler is not None:
                 self.profiler.close()
@@ -460,6 +465,16 @@ class Trainer:
         if any(r.nonfinite for r in self.window):
             self._log()
         self._save()
+
+    def _interrupted(self, why: str) -> str:
+        """What Ctrl-C that stopped the loop at once says: the last step done and where a relaunch resumes."""
+        try:
+            latest = checkpoint.latest_tag(self.ckpt_root)
+        except CheckpointError:
+            latest = None
+        resumes = f"a relaunch resumes from {latest}" if latest else "no checkpoint exists yet"
+        hint = "" if why else "; checkpoint.on_interrupt=true saves one at the step boundary first"
+        return f"after step {self.state.step}, {why or 'no checkpoint saved on the way out'}: {resumes}{hint}"
 
     def _on_nonfinite(self, loss: float, step: int) -> None:
         message = (f"non-finite loss ({loss}) at step {step}. The last checkpoint is untouched: "

@@ -20,9 +20,14 @@ class CheckpointConfig:
     interval: int = bounded(0, ge=0)
     """Steps between checkpoints; 0: only at the end (save_final)."""
     keep_last: int = bounded(3, ge=1)
-    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete, or before a save when the
+    free space is less than the last checkpoint's size (down to keep_last - 1 of them; never the one latest names)."""
     resume: bool = True
     """Resume automatically from <run dir>/checkpoints/latest; false refuses to start over existing checkpoints."""
+    on_interrupt: bool = False
+    """Ctrl-C (SIGINT) during training: save a checkpoint at the step boundary first, then exit 130 (a second
+    Ctrl-C stops at once); false: stop at once (exit 130), losing the steps since the last checkpoint, as a user
+    who presses Ctrl-C expects of a save that may take minutes."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
     export_hf: bool = False

@@ -10,7 +10,8 @@ at any moment of a save loses nothing:
    and raises :class:`CheckpointError` on every rank; ``latest`` stays where it was);
 3. rank 0 writes ``meta.json``, renames the directory to ``step_00000100``, and only then moves ``latest`` (written
    to a temporary name, fsync-ed and renamed); the universal copies (they served the one resume that needed them)
-   and older checkpoints are pruned last, never the one ``latest`` names.
+   and older checkpoints are pruned last, never the one ``latest`` names. A save that the free space cannot hold
+   (the last checkpoint's size) prunes first, down to ``keep_last - 1`` old checkpoints, ``latest`` kept.
 
 A partial directory left by a kill is removed by the next save. Before a load, the file list in ``meta.json`` is
 checked (presence, size, and the CRC32 of the files this rank reads, :func:`read_meta`), so a truncated, missing or
@@ -48,6 +49,7 @@ from zerotrain.distributed import all_agree, barrier, gather_objects, min_over_r
 from zerotrain.errors import CheckpointError
 
 log = logging.getLogger("zerotrain")
+_SHOWN_FAILURES = 4  # failed ranks a verification message names in full (a damaged disk fails on every rank)
 
 
 @dataclass
@@ -142,14 +144,32 @@ def _checksummed_saves(engine, partial: Path, written: dict[str, list[int]]) -> 
         ckpt_engine.save = original
 
 
-def _space_ok(root: Path, tag: str, policy: str) -> bool:
-    """Before a save: is there room for another checkpoint the size of the last one? ``warn`` says so and saves
-    anyway (the save may still fit: nothing is lost if it does not), ``skip`` skips this save."""
-    free = min_over_ranks(shutil.disk_usage(root if root.is_dir() else root.parent).free)
+def _free_bytes(root: Path) -> int:
+    """Collective: the free space on the checkpoint directory's file system, the least any rank sees."""
+    return min_over_ranks(shutil.disk_usage(root if root.is_dir() else root.parent).free)
+
+
+def _space_ok(root: Path, tag: str, rank: int, keep_last: int, policy: str) -> bool:
+    """Collective, before a save: is there room for another checkpoint the size of the last one?
+
+    If not, the oldest checkpoints are deleted first, down to ``keep_last - 1`` of them (never the one ``latest``
+    names), since the new one makes ``keep_last``: a relaunch with a lower ``checkpoint.keep_last`` then has the room
+    the message of a full disk promised. Still too little: ``warn`` says so and saves anyway (the save may still fit:
+    nothing is lost if it does not), ``skip`` skips this save."""
+    free = _free_bytes(root)
     latest = _latest_or_none(root)
     needed = checkpoint_bytes(root / latest) if latest else None
-    if not needed or free >= needed:
+    if latest is None or not needed or free >= needed:
         return True
+    if all_agree(len(complete_tags(root)) > keep_last - 1):
+        pruned = _prune(root, keep_last - 1, protect=latest) if rank == 0 else []
+        barrier()  # every rank measures the space after the deletion
+        if pruned:
+            log.info("only %s free before saving %s: deleted %s first (checkpoint.keep_last=%d), latest stays at %s",
+                     durable.human_bytes(free), tag, ", ".join(pruned), keep_last, latest)
+        free = _free_bytes(root)
+        if free >= needed:
+            return True
     where = durable.mount_point(root)
     text = (f"only {durable.human_bytes(free)} free on {where} and the last checkpoint ({latest}) took "
             f"{durable.human_bytes(needed)}")
@@ -182,7 +202,8 @@ def _fail(root: Path, tag: str, partial: Path, rank: int, error: Optional[BaseEx
         return CheckpointError(
             f"no space left on {durable.mount_point(root)} while saving {root / tag} "
             f"({durable.human_bytes(free)} free, {needed}); the partial save was removed and {keep}. "
-            f"Free space (or lower checkpoint.keep_last) and relaunch: the run resumes from there")
+            f"Free space, or lower checkpoint.keep_last (a save short of space first deletes the oldest "
+            f"checkpoints down to keep_last - 1, never latest), and relaunch: the run resumes from there")
     details = "; ".join(f"rank {r}: {name}: {text}" for r, (name, text, _) in failed[:4])
     return CheckpointError(f"could not save checkpoint {root / tag} ({details}); the partial save was removed "
                            f"and {keep}")
@@ -199,7 +220,7 @@ def save(engine, root: Path, state: TrainState, rank_state: dict[str, Any], conf
     if all_agree(_latest_or_none(root) == tag and _is_complete(tag_dir)):
         log.info("checkpoint %s is already complete and is the latest: not writing it again", tag_dir)
         return tag_dir
-    if not all_agree(_space_ok(root, tag, low_space)):
+    if not all_agree(_space_ok(root, tag, rank, keep_last, low_space)):
         return None
     partial = _partial_dir(root, tag)
     error: Optional[BaseException] = None
@@ -287,11 +308,13 @@ def _is_complete(tag_dir: Path) -> bool:
     return True
 
 
-def _prune(root: Path, keep_last: int, protect: str) -> None:
+def _prune(root: Path, keep: int, protect: str) -> list[str]:
+    """Delete the oldest complete checkpoints but ``keep`` (and ``protect``); returns the deleted tags."""
     tags = complete_tags(root)
-    for tag in tags[: max(0, len(tags) - keep_last)]:
-        if tag != protect:
-            shutil.rmtree(root / tag, ignore_errors=True)
+    pruned = [tag for tag in tags[: max(0, len(tags) - keep)] if tag != protect]
+    for tag in pruned:
+        shutil.rmtree(root / tag, ignore_errors=True)
+    return pruned
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -342,24 +365,35 @@ def read_meta(tag_dir: Path, verify_rank: Optional[int] = None, world_size: Opti
     if verify_rank is not None:
         for name in files_to_verify(meta, verify_rank, world_size):
             _, crc = _entry(files[name])
-            if crc is not None and durable.file_crc32(tag_dir / name) != crc:
+            found = None if crc is None else durable.file_crc32(tag_dir / name)
+            if found != crc:
                 source = tag_dir.parent.parent / tag_dir.name  # <root>/universal/<tag> -> <root>/<tag>
                 remedy = (f"Delete {tag_dir} and relaunch: it is converted again from {source}"
                           if meta.get("universal") else _others(tag_dir))
                 raise CheckpointError(
                     f"checkpoint file {tag_dir / name} is corrupt: its CRC32 differs from the one recorded when it "
-                    f"was written (a flipped bit on disk, or a damaged copy). {remedy}")
+                    f"was written ({found:08x}, recorded {crc:08x}: a flipped bit on disk, or a damaged copy). "
+                    f"{remedy}")
     return meta
 
 
 def read_meta_on_all_ranks(tag_dir: Path, rank: int, world_size: int, verify: bool) -> dict[str, Any]:
-    """Collective :func:`read_meta`: each rank checks its share of the files; all ranks learn whether any failed."""
-    error: Optional[CheckpointError] = None
+    """Collective :func:`read_meta`: each rank checks its share of the files, and when any failed every rank raises
+    the same :class:`CheckpointError`, with each failed rank's message: under torchrun only rank 0 prints
+    (:func:`zerotrain.launch.failures.report`), and it must name the file another rank found corrupt."""
+    failure: Optional[str] = None
     meta: dict[str, Any] = {}
     try:
         meta = read_meta(tag_dir, verify_rank=rank if verify else None, world_size=world_size)
     except CheckpointError as e:
-        error = e
-    if not all_agree(error is None):
-        raise error or CheckpointError(f"checkpoint {tag_dir} failed verification on another rank (see its message)")
-    return meta
+        failure = str(e)
+    failures = [(r, text) for r, text in enumerate(gather_objects(failure)) if text is not None]
+    if not failures:
+        return meta
+    distinct = list(dict.fromkeys(text for _, text in failures))  # a missing meta.json: every rank says the same
+    if len(distinct) == 1:
+        raise CheckpointError(distinct[0])
+    shown = [f"rank {r}: {text}" for r, text in failures[:_SHOWN_FAILURES]]
+    more = f"\n  (and {len(failures) - len(shown)} more ranks)" if len(failures) > len(shown) else ""
+    raise CheckpointError(f"checkpoint {tag_dir} failed verification on {len(failures)} ranks:\n  "
+                          + "\n  ".join(shown) + more)

@@ -34,13 +34,18 @@ def _rank() -> int:
     return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
 
 
+def prints_here() -> bool:
+    """Whether this process prints what every rank would say alike (an error, an interruption): rank 0 under a
+    torchrun agent, which shows all ranks' output together; every rank without one (srun: a log file per task)."""
+    return _rank() == 0 or not os.environ.get(ERROR_FILE_ENV)
+
+
 def report(error: ZerotrainError) -> None:
     """Print ``error`` where the user will see it once, and record it for the launcher; see the module docstring."""
     error_file = os.environ.get(ERROR_FILE_ENV)
-    rank = _rank()
     if error_file:
-        _write_error_file(error_file, error, rank)
-    if rank == 0 or not error_file:
+        _write_error_file(error_file, error, _rank())
+    if prints_here():
         print(f"error: {error}", file=sys.stderr, flush=True)
 
 

@@ -18,6 +18,11 @@ USR1 to every task) and sends SIGTERM on cancellation or preemption. The protoco
 A second signal while stopping (e.g. SIGTERM from ``scancel`` during the save) is logged and ignored: the save
 finishes if SLURM's KillWait allows, and SIGKILL ends it otherwise.
 
+Ctrl-C (SIGINT; a torchrun agent passes it on to every rank) goes the same way once the trainer calls
+:meth:`PreemptionHandler.catch_interrupt` (``checkpoint.on_interrupt``, from its first step): checkpoint at the step
+boundary, then exit 130 (:data:`~zerotrain.errors.EXIT_INTERRUPTED`; a preemption signal on any rank wins: 75). A
+second Ctrl-C stops at once (``KeyboardInterrupt``), as does the first one without ``catch_interrupt``.
+
 Start-up: importing torch, transformers and DeepSpeed takes seconds to minutes, and until a handler exists
 SIGUSR1's default action kills the task (exit 138, no checkpoint, no requeue). So ``train.py`` calls
 :func:`install_early_handlers` on its first lines, before any heavy import: a handler that only records the signal.
@@ -39,7 +44,8 @@ from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import Any
 
-from zerotrain.errors import EXIT_REQUEUE
+from zerotrain.errors import EXIT_INTERRUPTED, EXIT_REQUEUE
+from zerotrain.launch.failures import prints_here
 
 # Every rank exits with it after the preemption checkpoint is saved; slurm/train.sbatch requeues the job when srun
 # returns it (75, EX_TEMPFAIL: see zerotrain/errors.py).
@@ -51,6 +57,9 @@ DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 READY_DIR_ENV = "ZEROTRAIN_READY_DIR"
 
 _early_received: int | None = None  # the first signal the start-up handler recorded
+
+# What the ranks agree on at a step boundary (the largest wins): no stop, Ctrl-C, a preemption (a requeue)
+_NO_STOP, _INTERRUPT, _PREEMPT = 0, 1, 2
 
 
 def _say(message: str) -> None:
@@ -140,6 +149,7 @@ class PreemptionHandler:
         self.group = group  # process group for the agreement; None = the world
         self.received: int | None = None  # the first signal this process got
         self.stopping = False  # set once should_stop() returned True: from then on signals are ignored
+        self.agreed = _NO_STOP  # the stop all ranks agreed on (should_stop)
         self._previous: dict[int, Any] = {}
         if install:
             self.install()
@@ -167,6 +177,13 @@ class PreemptionHandler:
                  "the first step boundary")
         _early_received = None
 
+    def catch_interrupt(self) -> None:
+        """From now on Ctrl-C (SIGINT) is a stop request like the others: checkpoint, then exit 130 (see the module
+        docstring). The trainer calls it when training starts, with ``checkpoint.on_interrupt``."""
+        if signal.SIGINT not in self.signals:
+            self.signals += (signal.SIGINT,)
+        self.install()
+
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
@@ -174,7 +191,11 @@ class PreemptionHandler:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self.stopping:
+        if signum == signal.SIGINT and (self.stopping or self.received is not None):
+            raise KeyboardInterrupt("a second Ctrl-C while stopping: no checkpoint saved by this stop")
+        if signum == signal.SIGINT and not prints_here():
+            self.received = signum  # every rank gets Ctrl-C from the torchrun agent: the printing one says so
+        elif self.stopping:
             _say(f"{name} received while saving the preemption checkpoint: ignored")
         elif self.received is not None:
             _say(f"{name} received, a stop is already pending: ignored")
@@ -187,13 +208,26 @@ class PreemptionHandler:
         """Whether THIS process got a signal (no communication). Use :meth:`should_stop` to decide."""
         return self.received is not None
 
+    @property
+    def interrupted(self) -> bool:
+        """The ranks agreed on a stop for Ctrl-C (no rank got a preemption signal)."""
+        return self.agreed == _INTERRUPT
+
+    @property
+    def exit_code(self) -> int:
+        """Every rank's exit code once the stop checkpoint is saved: 130 for Ctrl-C, 75 (requeue) otherwise."""
+        return EXIT_INTERRUPTED if self.interrupted else REQUEUE_EXIT_CODE
+
     def stop_message(self, step: int) -> str:
         """What the run says once the stop checkpoint of ``step`` is saved, by the signal this process got: SIGUSR1
         (SLURM's time-limit warning) leads to a requeue by the job script; SIGTERM is a requeue by SLURM itself
         (``scontrol requeue``, a preemption; asked of SLURM on the logging rank only) or else a cancellation."""
+        if self.interrupted:
+            return (f"interrupted (SIGINT): checkpoint saved at step {step} (checkpoint.on_interrupt=true); relaunch "
+                    f"the same command to continue from it")
         if self.received == signal.SIGUSR1:
             return f"preempted at step {step}: checkpoint saved, exiting for requeue (SIGUSR1, the time-limit warning)"
-        if self.received is not None:
+        if self.received is not None and self.received != signal.SIGINT:  # Ctrl-C here, a preemption elsewhere: below
             name = signal.Signals(self.received).name
             if _logging_rank() and slurm_requeued():
                 return (f"requeued by SLURM ({name}: scontrol requeue or a preemption): checkpoint saved at step "
@@ -211,8 +245,9 @@ class PreemptionHandler:
         """
         if self.stopping:
             return True
-        if _agree_any(self.requested, self.group):
-            self.stopping = True
+        mine = _NO_STOP if self.received is None else _INTERRUPT if self.received == signal.SIGINT else _PREEMPT
+        self.agreed = _agree_max(mine, self.group)
+        self.stopping = self.agreed != _NO_STOP
         return self.stopping
 
 
@@ -223,15 +258,15 @@ def _logging_rank() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _agree_any(flag: bool, group: Any = None) -> bool:
-    """MAX-all-reduce a boolean over ``group``; just the flag without a process group (single process)."""
+def _agree_max(value: int, group: Any = None) -> int:
+    """MAX-all-reduce a small integer over ``group``; just the value without a process group (single process)."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return flag
+        return value
     # NCCL only reduces device tensors; gloo (CPU runs) only host tensors.
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    tensor = torch.tensor([value], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return bool(tensor.item())
+    return int(tensor.item())

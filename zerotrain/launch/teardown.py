@@ -9,9 +9,10 @@ preemption checkpoint (the job was marked FAILED instead of being requeued with 
 :func:`exit_with` is how a rank's entry point ends (train.py, evaluation/mmlu.py, the tests' distributed workers), on
 every path:
 
-1. when the run's outcome is one every rank reached together (``0``, ``75``), every process group is destroyed
-   (``destroy_process_group``, as PyTorch documents for the end of a job). After a failure it is not: a group whose
-   peer is stopped or gone would wait in its destructor for work that never completes;
+1. when the run's outcome is one every rank reached together (``0``, ``75``, ``130`` returned after an interrupt's
+   checkpoint), every process group is destroyed (``destroy_process_group``, as PyTorch documents for the end of a
+   job). After a failure it is not: a group whose peer is stopped or gone would wait in its destructor for work
+   that never completes; nor after a ``KeyboardInterrupt``, which stops each rank wherever it was;
 2. the ``atexit`` functions run while the interpreter is whole (W&B's service teardown, thread pools, logging);
 3. the streams are flushed and the process ends with ``os._exit(code)``: no C++ static destructor or interpreter
    finalization runs, so nothing there can turn the code into 134.
@@ -26,9 +27,10 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-from zerotrain.errors import EXIT_OK, EXIT_REQUEUE
+from zerotrain.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_REQUEUE
+from zerotrain.launch.failures import prints_here
 
-AGREED_CODES = (EXIT_OK, EXIT_REQUEUE)  # reached by every rank together: the process groups are healthy
+AGREED_CODES = (EXIT_OK, EXIT_REQUEUE, EXIT_INTERRUPTED)  # returned by every rank together: the groups are healthy
 
 
 def _code(value: object) -> int:
@@ -51,19 +53,22 @@ def destroy_process_groups() -> None:
 
 def exit_with(main: Callable[[], object]) -> NoReturn:
     """Run ``main()`` and end the process with its code (see the module docstring). An exception ``main`` lets
-    through is printed as Python would print it (exit 1; Ctrl-C: 130)."""
+    through is printed as Python would print it (exit 1); a ``KeyboardInterrupt`` (Ctrl-C) as one line,
+    ``interrupted`` and its message if it has one, by the rank that prints for all (exit 130)."""
+    agreed = True
     try:
         code = _code(main())
     except SystemExit as e:
         code = _code(e.code)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:
+        if prints_here():
+            print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        code, agreed = EXIT_INTERRUPTED, False
     except BaseException:  # noqa: BLE001 - printed in full, then the same exit as any other failure
         traceback.print_exc()
         code = 1
     try:
-        if code in AGREED_CODES:
+        if agreed and code in AGREED_CODES:
             destroy_process_groups()
     except Exception:  # noqa: BLE001 - the outcome is decided; a failed teardown must not change it
         traceback.print_exc()
