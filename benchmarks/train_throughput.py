@@ -4,6 +4,10 @@ Same model (tiny Llama), same data (the shipped corpus), same batch and the same
 on 4 CPU processes by default). Prints a Markdown table.
 
     .venv/bin/python benchmarks/train_throughput.py [--steps 30] [--nproc 4] [--recipe tiny_llama] [--hpz 2]
+        [key=value ...]     # overrides of the recipe, e.g. the 4M-parameter Llama of benchmarks/slow_link.py:
+                            # model.hidden_size=256 model.num_layers=4 model.intermediate_size=704
+
+The Hugging Face run reads our run's config.yaml and deepspeed_config.json, so overrides apply to both.
 """
 
 import argparse
@@ -40,6 +44,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--recipe", default="tiny_llama")
     parser.add_argument("--hpz", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, for both loops")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="zerotrain-bench-"))
@@ -47,7 +52,7 @@ def main() -> None:
     torchrun(args.nproc, "train.py", f"recipe={args.recipe}", f"train.steps={args.steps}", "train.log_interval=5",
              "train.eval_interval=0", "checkpoint.save_final=false", "wandb.enabled=false",
              f"zero.zero_hpz_partition_size={args.hpz}", f"run.output_dir={work}", "run.name=ours",
-             f"data.train.0.path={work / 'data'}")
+             f"data.train.0.path={work / 'data'}", *args.overrides)
     records = [json.loads(line) for line in (work / "ours" / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in records if "tokens_per_s" in r][1:]  # the first window includes start-up work
     ours = sum(r["tokens_per_s"] for r in steady) / len(steady)
@@ -58,7 +63,7 @@ def main() -> None:
     if hf["torch_world"] != args.nproc:
         sys.exit(f"the HF Trainer ran on {hf['torch_world']} ranks, not {args.nproc}: not comparable")
 
-    print(f"\n{args.recipe}, {args.nproc} CPU processes, ZeRO-3 hpZ {args.hpz}, {args.steps} steps "
+    print(f"\n{' '.join([args.recipe, *args.overrides])}, {args.nproc} CPU processes, ZeRO-3 hpZ {args.hpz}, {args.steps} steps "
           f"(steady state, first window excluded)\n")
     print("| loop | step time (s) | tokens/s | tokens/s per process | relative |")
     print("|---|---|---|---|---|")
