@@ -1,27 +1,23 @@
 """Communication accounting: the byte model on fake layouts, and hpZ vs ZeRO-3 inter-node bytes on a real job.
 
-The real-job test runs the trainer on 4 processes as 2 emulated nodes x 2 (two ``torchrun --nnodes 2`` launches
-with ``ZEROTRAIN_NODE_NAME=node0/node1``; gloo over 127.0.0.1), once with plain ZeRO-3 and once with hpZ 2, and
-checks the measured bytes per step *exactly* against what ZeRO++ predicts for that layout, derived here from the
-model's shape (per-parameter numel), DeepSpeed's partition padding and the algorithm - not from a measured number.
+The real-job test runs the trainer on 4 processes as 2 emulated nodes x 2 (``torchrun --nnodes 2`` launches with
+``ZEROTRAIN_NODE_NAME=node0/node1``; gloo over 127.0.0.1; first in test_grad_reduce.py's first launch, in its
+processes: comm_launches.py), with plain ZeRO-3, with hpZ 2 and with hpZ 2 + hierarchical gradients, and checks the
+measured bytes per step *exactly* against what ZeRO++ predicts for that layout, derived here from the model's shape
+(per-parameter numel), DeepSpeed's partition padding and the algorithm - not from a measured number.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import time
-from pathlib import Path
 
 import pytest
 import torch
+from comm_launches import COMM_SHAPE, COMM_STEPS, HIER
 
-from tools.launcher import launch_nodes
 from zerotrain import comm_accounting
 from zerotrain.comm_accounting import _Accountant
 from zerotrain.launch.layout import layout_from_node_names
-
-HERE = Path(__file__).resolve().parent
 
 # ----------------------------------------------------------------------------------------------------------------
 # The byte model, on fake layouts (no processes)
@@ -112,13 +108,9 @@ def test_metrics_record_keys_and_averages():
 
 NODES, PER_NODE, HPZ = 2, 2, 2
 WORLD = NODES * PER_NODE
-STEPS = 3
+STEPS = COMM_STEPS
 FP32 = 4
-# The tiny Llama reshaped so that some parameters are not multiples of the world size (DeepSpeed pads them):
-# hidden 66 (norms: 66 = 4*16 + 2), 3 heads of 22, 1 K/V head, MLP 171 (66*171 = 11286 = 4*2821 + 2).
-SHAPE = {"vocab": 2048, "hidden": 66, "layers": 2, "heads": 3, "kv_heads": 1, "intermediate": 171}
-OVERRIDES = ["model.hidden_size=66", "model.num_heads=3", "model.num_kv_heads=1", "model.intermediate_size=171"]
-HIER = "zero3_hpz_cpu+hpz.grad_reduce=hierarchical"  # the third variant: hpZ with hierarchical gradients
+SHAPE = COMM_SHAPE  # the tiny Llama reshaped so that DeepSpeed pads some parameters (comm_launches.py)
 
 
 def llama_param_numels(vocab, hidden, layers, heads, kv_heads, intermediate) -> list[int]:
@@ -173,21 +165,12 @@ def expected_bytes(numels: list[int]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def measured(shakespeare, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("comm")
-    out = out_dir / "out.json"
-    t0 = time.time()
-    nodes = launch_nodes(
-        2, 2, HERE / "worker_comm.py", str(out), f"zero3_cpu,zero3_hpz_cpu,{HIER}", "recipe=tiny_llama",
-        f"run.output_dir={out_dir / 'runs'}", "run.name=comm", f"data.train.0.path={shakespeare}",
-        f"train.steps={STEPS}", "train.log_interval=1", "train.eval_interval=0", "wandb.enabled=false",
-        "checkpoint.save_final=false", "checkpoint.resume=false", *OVERRIDES, timeout=600, check=False)
-    print(f"\n2 nodes x 2 launch (ZeRO-3, hpZ, hpZ + hierarchical gradients, {STEPS} steps each): "
-          f"{time.time() - t0:.1f} s wall")
-    rcs, text = [n.returncode for n in nodes], "\n".join(f"--- node{i} ---\n{n.stdout}{n.stderr}"
-                                                         for i, n in enumerate(nodes))
-    assert not any(rcs) and out.is_file(), f"exit codes {rcs}\n{text[-6000:]}"
-    return json.loads(out.read_text())
+def measured(comm_launches_results) -> dict:
+    """The three variants' runs, from test_grad_reduce.py's first launch (comm_launches.py)."""
+    comm = comm_launches_results["comm"]
+    if "crashed" in comm:
+        pytest.fail(f"the byte accounting's stage crashed:\n{comm['crashed']}")
+    return comm
 
 
 def test_layout_is_two_nodes_and_hpz_groups_are_intra_node(measured):

@@ -5,7 +5,8 @@ Two launches of ``worker_grad_reduce.py`` (``ZEROTRAIN_NODE_NAME=node0/node1`` p
 so the nodes the reduction checks are the launch's nodes): the first runs the ring collectives' checks
 (``cluster.collectives=ring`` against gloo's own, their bytes, the hierarchical path's first-step check), the
 unit-level check, the refusals, the training runs and the first half of the resumed run; the second is the relaunch
-that resumes it.
+that resumes it. test_comm_bytes.py's job runs first in the first launch (comm_launches.py, the
+``comm_launches_results`` fixture).
 
 Tolerances. The hierarchical reduction sums the same numbers in another order, so losses are not bitwise equal:
 every rounding difference (one ulp of the communication dtype in a gradient) is amplified by training. The bounds
@@ -32,15 +33,7 @@ runs with the tests: it must fail the fp32 and the bf16 bound).
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
-
 import pytest
-
-from tools.launcher import launch_nodes
-
-HERE = Path(__file__).resolve().parent
 
 STEPS = 50
 RESUME_STOP = 7
@@ -49,25 +42,9 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}  # see the module docstring
 
 
 @pytest.fixture(scope="module")
-def results(shakespeare, tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("grad_reduce")
-    runs = work / "runs"
-    merged: dict = {"walls": {}, "seconds": {}}
-    for phase in ("main", "resume"):
-        out = work / f"{phase}.json"
-        t0 = time.time()
-        nodes = launch_nodes(2, 2, HERE / "worker_grad_reduce.py", str(out), phase, str(shakespeare), str(runs),
-                             timeout=1200, check=False)
-        wall = time.time() - t0
-        rcs = [n.returncode for n in nodes]
-        text = "\n".join(f"--- node{i} ---\n{n.stdout}{n.stderr}" for i, n in enumerate(nodes))
-        assert not any(rcs) and out.is_file(), f"{phase} launch: exit codes {rcs}\n{text[-6000:]}"
-        result = json.loads(out.read_text())
-        merged["seconds"].update(result.pop("seconds"))
-        merged.update(result)
-        merged["walls"][phase] = round(wall, 1)
-    print(f"\nhierarchical gradient launches: {merged['walls']} s wall; stages {merged['seconds']} s")
-    return merged
+def results(comm_launches_results) -> dict:
+    """The two launches' stages (conftest.py)."""
+    return comm_launches_results
 
 
 def section(results: dict, name: str):

@@ -1,6 +1,7 @@
 """Worker: the real trainer (``zerotrain.trainer.Trainer``) with communication accounting installed around it.
 
-Usage (under torchrun, any layout): ``worker_comm.py OUT.json VARIANTS key=value ...`` where VARIANTS is a
+Usage (under torchrun, any layout): ``worker_comm.py OUT.json VARIANTS key=value ...`` (or :func:`run_variants`
+inside another worker's launch: tests/comm/worker_grad_reduce.py's first launch runs it) where VARIANTS is a
 comma-separated list of ``zero`` presets, each optionally followed by ``+key=value`` overrides
 (``zero3_cpu,zero3_hpz_cpu,zero3_hpz_cpu+hpz.grad_reduce=hierarchical``), trained one after the other in the same
 processes (one start-up for all: on 2 cores the start-up, not the steps, is what costs), and the rest is the
@@ -60,7 +61,8 @@ def run_variant(argv: list[str]) -> dict:
     return result
 
 
-def main(out_path: str, variants: str, argv: list[str]) -> int:
+def run_variants(variants: str, argv: list[str]) -> dict:
+    """Every variant of VARIANTS in turn (collective: every rank, the same arguments); its results by variant."""
     import torch.distributed as dist
 
     results = {}
@@ -71,6 +73,13 @@ def main(out_path: str, variants: str, argv: list[str]) -> int:
         args = [a for a in argv if not a.startswith("run.name=")] + [f"zero={zero}", *extra, f"run.name={name}-{tag}"]
         results[variant] = run_variant(args)
         dist.barrier()
+    return results
+
+
+def main(out_path: str, variants: str, argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    results = run_variants(variants, argv)
     if dist.get_rank() == 0:
         with open(out_path + ".tmp", "w") as f:
             json.dump(results, f)

@@ -3,7 +3,8 @@
 Runs under ``tools.launcher.launch_nodes`` (2 emulated nodes x 2 ranks, ``ZEROTRAIN_NODE_NAME=node0/node1``, gloo), so
 the nodes the reduction assumes are the launch's nodes. Usage::
 
-    worker_grad_reduce.py OUT.json main DATA RUNS_DIR      # unit check, refusals, loss parity, resume's 1st launch
+    worker_grad_reduce.py OUT.json main DATA RUNS_DIR [VARIANTS key=value ...]  # [comm,] ring, unit check,
+                                                          # refusals, loss parity, resume's 1st launch
     worker_grad_reduce.py OUT.json resume DATA RUNS_DIR    # resume's relaunch
     worker_grad_reduce.py OUT.json ring DATA RUNS_DIR      # the ring stage alone
 
@@ -23,7 +24,10 @@ Stages (each records its result or its error; rank 0 writes OUT.json):
   accounting's ring-model count, and the hierarchical engine's first-step check (stage 2 a ring reduce-scatter),
   with its negative control (DeepSpeed's flat reduce-scatter restored under the hierarchical plan: it must fail);
 * ``resume``: hierarchical fp32 stopped at step 7 (``train.exit_interval=7``, log interval 5), relaunched with the
-  same command: it resumes and stops at step 14.
+  same command: it resumes and stops at step 14;
+* ``comm`` (tests/comm/test_comm_bytes.py's job, sharing the start-up): first in the launch, so in fresh processes
+  as in a launch of its own (its plain ZeRO-3 variant must find no hpZ group: DeepSpeed keeps the last one built as
+  a module global), ``worker_comm.run_variants(VARIANTS, key=value ...)``: the trainer with communication accounting.
 """
 
 from __future__ import annotations
@@ -482,7 +486,7 @@ RESUME = [f"train.steps={STEPS}", "train.precision=fp32", "hpz.grad_reduce=hiera
           "checkpoint.save_final=false"]
 
 
-def main(out_path: str, phase: str, data: str, runs_dir: str) -> int:
+def main(out_path: str, phase: str, data: str, runs_dir: str, comm: list[str]) -> int:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -503,6 +507,10 @@ def main(out_path: str, phase: str, data: str, runs_dir: str) -> int:
             Path(out_path + ".tmp").write_text(json.dumps(results))
             os.replace(out_path + ".tmp", out_path)
 
+    if comm:
+        import worker_comm
+
+        stage("comm", lambda: worker_comm.run_variants(comm[0], comm[1:]))
     if phase in ("main", "ring"):
         stage("ring", lambda: ring(runs, data))
     if phase == "main":
@@ -516,4 +524,4 @@ def main(out_path: str, phase: str, data: str, runs_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:5]))
+    sys.exit(main(*sys.argv[1:5], sys.argv[5:]))

@@ -1,8 +1,8 @@
 """hpZ through DeepSpeed's real ZeRO-3 engine under the emulated asynchronous accelerator.
 
 One 4-process launch (worker_emulator.py; 2 emulated nodes x 2 ranks, hpZ 2, gloo):
-tiny Llama and Falcon, fp32 and bf16, 6 optimizer steps of 2 accumulated
-micro-batches with an evaluation pass before step 3. Under the emulator DeepSpeed
+tiny Llama and Falcon, fp32 and bf16, 4 optimizer steps (6 with HPZ_MATRIX_FULL=1) of 2
+accumulated micro-batches with an evaluation pass half-way. Under the emulator DeepSpeed
 takes its GPU stream code paths and shard copies are really deferred, so -- unlike
 on the CPU accelerator (test_hpz_parity.py) -- the racy modes race and the fixes
 are observed to order the race away:

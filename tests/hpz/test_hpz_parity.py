@@ -1,8 +1,8 @@
 """Loss parity: plain ZeRO-3, stock, sync and ordered hpZ give bitwise-identical losses.
 
-4 CPU processes (2 emulated nodes x 2), hpZ size 2, 20 optimizer steps of 2
+4 CPU processes (2 emulated nodes x 2), hpZ size 2, 6 optimizer steps of 2
 accumulated micro-batches with an evaluation pass (engine.eval(), no_grad)
-after step 10. The matrix: Llama and Falcon (with one frozen parameter), fp32
+after step 3 (why 6 are enough: worker_suite.STEPS). The matrix: Llama and Falcon (with one frozen parameter), fp32
 and bf16, in all four modes (16 configurations), plus Llama fp32 ordered with a
 small prefetch bucket (shards read by real prefetches); HPZ_QUICK=1 runs a
 reduced matrix (Llama fp32 x 4 modes, Falcon bf16 plain vs ordered) for quick
@@ -20,7 +20,7 @@ from collections import defaultdict
 
 from hpz_results import stage
 
-STEPS = 20
+STEPS = 6  # worker_suite.STEPS
 
 
 def _groups(results):

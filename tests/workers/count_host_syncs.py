@@ -3,7 +3,11 @@
 Patched: ``Tensor.item/.cpu/.tolist/.numpy`` and ``bool/float/int(tensor)``, ``torch.cuda.synchronize``, the
 accelerator's ``synchronize``, and ``torch.distributed.all_reduce`` (a collective, listed apart). Each call is
 charged to the innermost frame inside ``zerotrain/`` or ``deepspeed/`` (else "other") and to the step it ran in
-(from one step's ``on_step_begin`` to the next). Usage: torchrun ... count_host_syncs.py <out.json> key=value ...
+(from one step's ``on_step_begin`` to the next). Several runs share one launch (the start-up, not the 10 tiny
+steps, is what costs on 2 cores): each ``+run`` group of key=value overrides is added to the common ones and
+trained in turn, its counts apart (calls outside a step, the next Trainer's build included, are not charged).
+Usage: torchrun ... count_host_syncs.py <out.json> key=value ... +run key=value ... [+run key=value ...]
+Rank 0 writes ``{"runs": [{"steps": N, "rows": [...]}, ...]}``, one entry per ``+run``, in order.
 """
 
 import collections
@@ -57,20 +61,40 @@ class TrackStep(StepCallback):
         current_step = step
 
 
-def main() -> int:
-    global current_step
-    out, argv = sys.argv[1], sys.argv[2:]
-    trainer = Trainer(parse_args(argv), callbacks=[TrackStep()])
+def _install_counters() -> None:
     for name in ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__"):
         _wrap(torch.Tensor, name, f"Tensor.{name}")
     _wrap(torch.cuda, "synchronize", "cuda.synchronize")
     _wrap(type(get_accelerator()), "synchronize", "accelerator.synchronize")
     _wrap(dist, "all_reduce", "all_reduce")
-    code = trainer.fit()
-    current_step = 0
-    if trainer.dist.is_main:
-        rows = [{"step": s, "owner": o, "kind": k, "where": w, "calls": n} for (s, o, k, w), n in counts.items()]
-        Path(out).write_text(json.dumps({"steps": trainer.cfg.train.steps, "rows": rows}))
+
+
+def main() -> int:
+    global current_step
+    out, groups = sys.argv[1], [[]]
+    for arg in sys.argv[2:]:
+        if arg == "+run":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    common, *runs = groups
+    if not runs:
+        raise SystemExit("count_host_syncs.py: no +run group (usage in the module docstring)")
+    results, code, is_main = [], 0, False
+    for i, overrides in enumerate(runs):
+        trainer = Trainer(parse_args([*common, *overrides]), callbacks=[TrackStep()])
+        if i == 0:  # once: the counters are charged by step, and no step runs while a Trainer is built
+            _install_counters()
+        code, is_main = trainer.fit(), trainer.dist.is_main
+        current_step = 0
+        results.append({"steps": trainer.cfg.train.steps,
+                        "rows": [{"step": s, "owner": o, "kind": k, "where": w, "calls": n}
+                                 for (s, o, k, w), n in counts.items()]})
+        counts.clear()
+        if code:
+            break
+    if is_main:
+        Path(out).write_text(json.dumps({"runs": results}))
     return code
 
 
