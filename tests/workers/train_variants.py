@@ -14,9 +14,12 @@ from zerotrain.trainer import Trainer
 
 
 def fit_each(runs: list[str]) -> int:
-    """Fit each run (its overrides space-separated) in turn: 0, or the exit code of the first that failed."""
-    for overrides in runs:
-        code = Trainer(parse_args(overrides.split())).fit()
+    """Fit each run (its overrides space-separated) in turn: 0, or the exit code of the first that failed. Every
+    run's config is composed first, before any process group exists, as train.py composes its one (the check of
+    the ``deepspeed`` section runs DeepSpeed's parser for a world of one, which a formed group of 2 fails)."""
+    configs = [parse_args(overrides.split()) for overrides in runs]
+    for cfg in configs:
+        code = Trainer(cfg).fit()
         if code:
             return code
     return 0
