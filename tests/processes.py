@@ -2,11 +2,14 @@
 
 The tests that kill or signal a rank "during start-up" do it while the rank is inside its heavy imports (libtorch is
 mapped, no trainer object exists yet): a moment a test can observe from outside without any hook in the code.
+:class:`Background` runs a launch in a thread, so that two launches that mostly wait (a timeout and its negative
+control) wait at the same time.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +39,15 @@ def train_processes(marker: str, rank_key: RankKey = b"RANK") -> dict[int, int]:
         rank = next((int(e.split(b"=", 1)[1]) for e in environ if e.startswith(rank_key + b"=")), 0)
         found[rank] = int(entry)
     return found
+
+
+def kill_marked(marker: str, rank_key: RankKey = b"RANK") -> None:
+    """SIGKILL every ``train.py`` process of the launch marked ``marker`` (its launcher then ends it); none is fine."""
+    for pid in train_processes(marker, rank_key).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def importing_torch(pid: int) -> bool:
@@ -94,3 +106,42 @@ class Signaller(threading.Thread):
             raise self.error
         assert self.sent_at is not None, "the signal was never sent"
         return self.sent_at
+
+
+def listening(port: int) -> bool:
+    """Some process on this host listens on TCP ``port`` (IPv4 or IPv6), as rank 0's rendezvous store does."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: TCP_LISTEN
+                return True
+    return False
+
+
+class Background(threading.Thread):
+    """``fn(*args, **kwargs)`` in a thread, started at once; ``result(timeout)`` joins it and returns what it returned,
+    or re-raises what it raised."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(*self.args, **self.kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            self.error = e
+
+    def result(self, timeout: float) -> Any:
+        self.join(timeout)
+        assert not self.is_alive(), f"{getattr(self.fn, '__name__', self.fn)} still running after {timeout:.0f} s"
+        if self.error:
+            raise self.error
+        return self.value

@@ -1,12 +1,13 @@
 """The engine's options (zerotrain/engine.py): optim.impl and the offload presets, and the ``deepspeed`` section of
-top-level DeepSpeed keys checked by DeepSpeed's own parser. The unit tests need no process group; one pair of
-2-rank launches trains with optimizer offload (DeepSpeedCPUAdam, JIT-built once into TORCH_EXTENSIONS_DIR) and
-without it, on the same data."""
+top-level DeepSpeed keys checked by DeepSpeed's own parser. The unit tests need no process group; one 2-rank launch
+(tests/workers/train_variants.py) trains with optimizer offload (DeepSpeedCPUAdam, JIT-built once into
+TORCH_EXTENSIONS_DIR) and then without it, on the same data."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
@@ -116,22 +117,22 @@ def test_nested_deepspeed_keys_need_no_yaml_block_and_are_still_checked_by_deeps
         compose("optim.adam.beta1=0.9")
 
 
-# ------------------------------------------------------------------- one launch pair: optimizer offload
+# ------------------------------------------------------------------- one launch, two runs: optimizer offload
 
 
 @pytest.fixture(scope="module")
 def offload_runs(tmp_path_factory, shakespeare):
-    """tiny_llama on 2 ranks, 4 steps, ZeRO-3 with the optimizer offloaded (DeepSpeedCPUAdam), and the same run
-    with the offload device set to none (torch AdamW), plus a deepspeed-section key that must reach DeepSpeed."""
+    """tiny_llama on 2 ranks, 4 steps, ZeRO-3 with the optimizer offloaded (DeepSpeedCPUAdam), then, in the same
+    launch, the same run with the offload device set to none (torch AdamW), plus a deepspeed-section key that must
+    reach DeepSpeed."""
     out = tmp_path_factory.mktemp("offload")
     common = ["recipe=tiny_llama", "train.steps=4", "train.log_interval=1", "train.eval_interval=0",
               "checkpoint.interval=0", "checkpoint.save_final=false", "wandb.mode=disabled", "mmlu.enabled=false",
               f"data.train.0.path={shakespeare}", f"run.output_dir={out}", "zero=zero3_offload_optimizer",
               "zero.offload_optimizer.pin_memory=false", "deepspeed.communication_data_type=fp32"]
-    offloaded = torchrun(2, "train.py", *common, "run.name=offload", timeout=900)
-    reference = torchrun(2, "train.py", *common, "run.name=reference", "zero.offload_optimizer.device=none",
-                         timeout=600)
-    return out, offloaded.stdout + offloaded.stderr, reference.stdout + reference.stderr
+    runs = [[*common, "run.name=offload"], [*common, "run.name=reference", "zero.offload_optimizer.device=none"]]
+    proc = torchrun(2, "tests/workers/train_variants.py", *(" ".join(r) for r in runs), timeout=900)
+    return out, proc.stdout + proc.stderr
 
 
 def _losses(run_dir):
@@ -139,9 +140,10 @@ def _losses(run_dir):
 
 
 def test_optimizer_offload_trains_with_deepspeed_cpu_adam_like_torch_adamw(offload_runs):
-    out, offloaded_log, reference_log = offload_runs
-    assert "optimizer: DeepSpeedCPUAdam (optim.impl=deepspeed_cpu)" in offloaded_log
-    assert "optimizer: AdamW (optim.impl=torch_adamw)" in reference_log  # negative control: no offload, no CPUAdam
+    out, log = offload_runs
+    # One line per run, in the order they ran: the offloaded run, then the negative control (no offload, no CPUAdam).
+    assert re.findall(r"optimizer: (\w+) \(optim.impl=(\w+)\)", log) == [
+        ("DeepSpeedCPUAdam", "deepspeed_cpu"), ("AdamW", "torch_adamw")], log[-3000:]
     offloaded, reference = _losses(out / "offload"), _losses(out / "reference")
     assert len(offloaded) == len(reference) == 4 and all(math.isfinite(x) for x in offloaded)
     assert offloaded[0] == reference[0]  # the same model and batch before any step
@@ -151,7 +153,7 @@ def test_optimizer_offload_trains_with_deepspeed_cpu_adam_like_torch_adamw(offlo
 
 
 def test_deepspeed_section_reaches_the_engines_config(offload_runs):
-    out, _, _ = offload_runs
+    out, _ = offload_runs
     saved = json.loads((out / "offload" / "deepspeed_config.json").read_text())
     assert saved["communication_data_type"] == "fp32"
     assert saved["zero_optimization"]["offload_optimizer"]["device"] == "cpu"

@@ -7,16 +7,20 @@ killed during start-up, a rank that never joins. Real train.py, real torchrun, r
 * Under ``python -m zerotrain.launch.torchrun`` the run exits with the failed rank's code (2, 75, 128+n), a user
   error is printed once, and a rank killed during start-up is named (plain torchrun: exit 1 for all of them).
 * An option refused with hpZ (zero.offload_param) exits 2 naming both keys, before the run directory is written.
-* A rank whose peer never joins fails after ``cluster.init_timeout_s`` with a message instead of hanging.
+* A rank whose peer never joins fails after ``cluster.init_timeout_s`` with a message instead of hanging (the
+  control: with the default it is still waiting in the rendezvous).
 * A rank stopped (SIGSTOP) during training ends the run after ``cluster.collective_timeout_s``, exit 5, with a
   message naming the key (the control: with the default 30 minutes the run is still waiting).
 * Ctrl-C (SIGINT to the launcher's process group) during training ends the run with one line and exit 130; with
   ``checkpoint.on_interrupt=true`` a checkpoint is saved at the step boundary first (plain torchrun: exit 1 and a
   traceback).
+
+A negative control that waits runs at the same time as the launch it controls, so the two waits overlap.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 import time
@@ -24,9 +28,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from processes import Signaller, to_launcher_group
+from processes import Background, Signaller, kill_marked, listening, to_launcher_group
 
-from tools.launcher import PYTHON, REPO, LaunchTimeout, free_port, run
+from tools.launcher import PYTHON, REPO, free_port, run
 
 TINY = ["recipe=tiny_llama", "train.log_interval=1", "train.eval_interval=0", "wandb.enabled=false",
         "checkpoint.interval=100", "zero.zero_hpz_partition_size=1"]
@@ -120,33 +124,52 @@ def test_rank_killed_during_a_step_is_named_and_ends_the_run(shakespeare, tmp_pa
 
 
 # ---- a rank that stops during training ----------------------------------------------------------------------------
+# Two 2-rank launches at once (what they mostly do is wait: their waits overlap), rank 1 of each SIGSTOPped once the
+# first step is logged: one with cluster.collective_timeout_s=10, and its negative control with the default (30
+# minutes), which must still be waiting 15 s after the first one ended; then it is killed.
 
 
-def stopped_rank_run(shakespeare, tmp_path: Path, *args: str, timeout: float):
-    """A 2-rank run whose rank 1 is SIGSTOPped once the first step is logged; returns (process, seconds from the
-    signal to the run's end). The launcher's timeout kills the whole tree (SIGKILL ends a stopped process too)."""
+def stopped_rank_launch(shakespeare, tmp_path: Path, *args: str) -> tuple[Background, Signaller, str]:
+    """A 2-rank run in the background whose rank 1 is SIGSTOPped once the first step is logged: (the launch, its
+    signaller, its marker)."""
     marker, env = marked()
     metrics = tmp_path / "t" / "metrics.jsonl"
     signaller = Signaller(marker, 1, signal.SIGSTOP, ready=lambda _pid: metrics.exists() and metrics.read_text())
     run_args = [*TINY, "train.steps=500", f"data.train.0.path={shakespeare}", f"run.output_dir={tmp_path}",
                 "run.name=t", *args]
+    # The launcher's timeout kills the whole tree (SIGKILL ends a stopped process too).
+    launch = Background(run, [*WRAPPER, "--nproc_per_node=2", "train.py", *run_args], env=env, check=False,
+                        timeout=600)
+    return launch, signaller, marker
+
+
+@pytest.fixture(scope="module")
+def stopped_ranks(shakespeare, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("stopped")
+    timed, timed_signal, _ = stopped_rank_launch(shakespeare, root / "timed", "cluster.collective_timeout_s=10")
+    default, default_signal, default_marker = stopped_rank_launch(shakespeare, root / "default")
     try:
-        proc = run([*WRAPPER, "--nproc_per_node=2", "train.py", *run_args], env=env, check=False, timeout=timeout)
+        proc = timed.result(timeout=600)
+        ended = time.monotonic() - timed_signal.result()
+        stopped_at = default_signal.result(timeout=600)
+        time.sleep(max(0.0, stopped_at + ended + 15 - time.monotonic()))
+        waiting = default.is_alive()  # checked before the kill below ends it
     finally:
-        signaller.result(timeout=timeout)
-    return proc, time.monotonic() - signaller.sent_at
+        kill_marked(default_marker)
+    return {"timed": proc, "ended": ended, "default_waiting": waiting, "default": default.result(timeout=600)}
 
 
-def test_a_stopped_rank_ends_the_run_after_the_collective_timeout(shakespeare, tmp_path):
-    proc, ended = stopped_rank_run(shakespeare, tmp_path, "cluster.collective_timeout_s=10", timeout=600)
+def test_a_stopped_rank_ends_the_run_after_the_collective_timeout(stopped_ranks):
+    proc, ended = stopped_ranks["timed"], stopped_ranks["ended"]
     assert proc.returncode == 5, proc.stderr[-3000:]
     assert "a collective waited 10 s (cluster.collective_timeout_s)" in proc.stderr, proc.stderr[-3000:]
     assert "rank 0:" in proc.stderr and "Traceback" not in proc.stderr
     assert ended < 60, f"the run took {ended:.0f} s to end after rank 1 stopped"
 
-    # Negative control: with the default (30 minutes) the same run is still waiting well past that moment.
-    with pytest.raises(LaunchTimeout):
-        stopped_rank_run(shakespeare, tmp_path / "default", timeout=ended + 30)
+    # Negative control: with the default (30 minutes) the same run, started at the same time, is still waiting 15 s
+    # past that moment after its own rank 1 stopped (then it is killed: no timeout message).
+    assert stopped_ranks["default_waiting"], stopped_ranks["default"].stderr[-3000:]
+    assert "cluster.collective_timeout_s" not in stopped_ranks["default"].stderr
 
 
 # ---- Ctrl-C ------------------------------------------------------------------------------------------------------
@@ -199,29 +222,40 @@ def test_negative_control_plain_torchrun_exits_1_with_a_traceback_on_ctrl_c():
 # ---- a rank that never joins -------------------------------------------------------------------------------------
 
 
-def lone_rank_zero(tmp_path: Path, *args: str, timeout: float):
+def lone_rank_zero(tmp_path: Path, *args: str, port: int, env: dict[str, str], timeout: float):
     """Rank 0 of a world of 2 whose rank 1 never starts (as if killed before it joined)."""
     data = tmp_path / "data"
-    data.mkdir(exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
     (data / "manifest.json").write_text("{}")  # train.py's input check; the process group is formed before data
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+           "MASTER_PORT": str(port), **env}
     return run([PYTHON, "train.py", "recipe=tiny_llama", f"data.train.0.path={data}", f"run.output_dir={tmp_path}",
                 *args], env=env, check=False, timeout=timeout)
 
 
 def test_a_rank_that_never_joins_fails_after_the_init_timeout(tmp_path):
+    # The negative control, with the default (300 s), starts at the same moment (both mostly wait).
+    marker, env = marked()
+    control_port = free_port()
+    control = Background(lone_rank_zero, tmp_path / "default", port=control_port, env=env, timeout=600)
     started = time.monotonic()
-    proc = lone_rank_zero(tmp_path, "cluster.init_timeout_s=5", timeout=300)
+    try:
+        proc = lone_rank_zero(tmp_path / "timed", "cluster.init_timeout_s=5", port=free_port(), env={}, timeout=300)
+        failed_after = time.monotonic() - started
+        time.sleep(max(0.0, started + failed_after + 15 - time.monotonic()))
+        waiting = control.is_alive() and listening(control_port)  # checked before the kill below ends it
+    finally:
+        kill_marked(marker)
+    killed = control.result(timeout=60)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "rank 0 on node" in proc.stderr and "the process group did not form within 5 s" in proc.stderr
     assert "cluster.init_timeout_s" in proc.stderr and "Traceback" not in proc.stderr
-    failed_after = time.monotonic() - started
     assert failed_after < 120
 
-    # Negative control: with the default (300 s) the same rank is still waiting well past the moment it failed above.
-    with pytest.raises(LaunchTimeout):
-        lone_rank_zero(tmp_path, timeout=failed_after + 15)
+    # Negative control: with the default the same rank is still waiting, in the rendezvous (its store listens),
+    # well past the moment it failed above (and it did not fail by itself later either: it was killed).
+    assert waiting, killed.stderr[-3000:]
+    assert killed.returncode == -signal.SIGKILL and "did not form" not in killed.stderr, killed.stderr[-3000:]
 
 
 # ---- the record torchrun reads back (no processes) ---------------------------------------------------------------
@@ -246,3 +280,12 @@ def test_error_file_round_trip_through_torchruns_own_reader(tmp_path, monkeypatc
 
     killed = failure_from_torchrun(3, ProcessFailure(3, 7, -signal.SIGKILL, str(tmp_path / "none.json")))
     assert killed.exit_code == 137 and "rank 3 (local rank 3, pid 7) was killed by SIGKILL" in killed.describe()
+
+    # A rank killed by a signal and the peer it took down (gloo's connection reset: exit 1, no record of ours),
+    # both noticed by torchrun within the same second: the killed rank is the cause, whatever the ranks' order.
+    crashed = failure_from_torchrun(0, ProcessFailure(0, 8, 1, str(tmp_path / "none.json")))
+    crashed = dataclasses.replace(crashed, time_ns=killed.time_ns)  # the same poll of torchrun's
+    assert first_failure([crashed, killed]).rank == 3
+    # Negative control: a failure recorded a second earlier is still the first, killed rank or not.
+    earlier = dataclasses.replace(crashed, time_ns=killed.time_ns - 10**9)
+    assert first_failure([earlier, killed]).rank == 0

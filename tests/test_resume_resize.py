@@ -1,10 +1,11 @@
 """Resuming on a different number of ranks: a 4-rank run (hpZ 2) saved at step 4 continues on 2 ranks.
 
-Three launches, shared by the tests through module-scoped fixtures: the uninterrupted 4-rank reference (which also
-saves the step-4 checkpoint), the 2-rank resume from a copy of that checkpoint, and the same resume with the repair
-of DeepSpeed's universal load switched off (the negative control). Everything else (the refusals, the command-line
-conversion, the checksums of the universal copy) runs in this process on the reference's checkpoint: conversion
-needs no process group.
+Two launches, shared by the tests through module-scoped fixtures: the uninterrupted 4-rank reference (which also
+saves the step-4 checkpoint), and one 2-rank launch (tests/workers/resume_with_and_without_repair.py) that resumes a
+copy of that checkpoint through train.py's ``main`` and then resumes another copy with the repair of DeepSpeed's
+universal load switched off (the negative control). Everything else (the refusals, the command-line conversion, the
+checksums of the universal copy) runs in this process on the reference's checkpoint: conversion needs no process
+group.
 
 Tolerance, measured (fp32, tiny Llama, 8 steps): an uninterrupted 2-rank run with twice the accumulation differs
 from the 4-rank one by at most 9.5e-7 per step (another summation order); the 4 -> 2 resume differs by at most
@@ -69,31 +70,33 @@ def reference(tmp_path_factory, shakespeare):
     return out / "four"
 
 
-def _resume_on_two(reference: Path, dest: Path, shakespeare: Path, script: str = "train.py"):
-    run_dir = at_saved_step(reference, dest)
-    source = run_dir / "checkpoints" / checkpoint.tag_for(SAVED)
+@pytest.fixture(scope="module")
+def resumes(reference, tmp_path_factory, shakespeare) -> dict:
+    """The step-4 checkpoint of the reference resumed on 2 ranks to step 8 (converted automatically), ``resized``,
+    and the same resume of another copy with zerotrain.checkpoint.universal.repair switched off, ``unrepaired``."""
+    runs = {name: at_saved_step(reference, tmp_path_factory.mktemp(name) / "two") for name in ("resized", "unrepaired")}
+    source = runs["resized"] / "checkpoints" / checkpoint.tag_for(SAVED)
     before = crc_manifest(source)
-    proc = torchrun(2, script, *ARGS, *ON_TWO_RANKS, f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}",
-                    f"data.train.0.path={shakespeare}", timeout=900)
-    return run_dir, before, crc_manifest(source), proc.stdout + proc.stderr
+    args = [" ".join([*ARGS, *ON_TWO_RANKS, f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}",
+                      f"data.train.0.path={shakespeare}"]) for run_dir in runs.values()]
+    proc = torchrun(2, "tests/workers/resume_with_and_without_repair.py", *args, timeout=900)
+    return {**runs, "before": before, "after": crc_manifest(source), "log": proc.stdout + proc.stderr}
 
 
 @pytest.fixture(scope="module")
-def resized(reference, tmp_path_factory, shakespeare):
-    """The step-4 checkpoint of the reference resumed on 2 ranks (converted automatically), to step 8."""
-    return _resume_on_two(reference, tmp_path_factory.mktemp("runs") / "two", shakespeare)
+def resized(resumes):
+    return resumes["resized"], resumes["before"], resumes["after"], resumes["log"]
 
 
 @pytest.fixture(scope="module")
-def unrepaired(reference, tmp_path_factory, shakespeare):
-    """The same resume with zerotrain.checkpoint.universal.repair switched off."""
-    return _resume_on_two(reference, tmp_path_factory.mktemp("runs") / "two", shakespeare,
-                          script="tests/workers/resume_unrepaired.py")
+def unrepaired(resumes):
+    return resumes["unrepaired"], resumes["log"]
 
 
 def test_resume_on_two_ranks_continues_the_four_rank_curve(reference, resized):
     run_dir, _, _, log = resized
-    assert "converted" in log and "to the universal checkpoint" in log, log[-3000:]
+    tag_dir = run_dir / "checkpoints" / checkpoint.tag_for(SAVED)
+    assert f"converted {tag_dir} (4 ranks) to the universal checkpoint" in log, log[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / checkpoint.tag_for(SAVED)} at step {SAVED}" in log
     expected, got = losses(reference), losses(run_dir)
     assert sorted(got) == list(range(SAVED + 1, STEPS + 1)), "the resume starts at the step after the checkpoint"

@@ -1,7 +1,10 @@
 """End to end on 4 CPU processes through real DeepSpeed ZeRO-3 (gloo): training, exact resume, export, failures.
 
-Launches are expensive (~10 s each before the first step), so each module-scoped fixture is one launch whose
-results several tests read.
+Launches are expensive (~15-20 s each before the first step on 2 cores), so the module-scoped fixtures share them:
+one 4-rank launch trains tiny Llama (probed), tiny Falcon and tiny Llama-3 in turn (``pretrained``); the exact
+resume is two launches of train.py (``resumed``: the relaunch is what it tests); one 2-rank launch fine-tunes from
+two of those exports (``fine_tuned``); the single-process failures run in one process (``failures``,
+tests/workers/train_py_cases.py: train.py's ``main`` per case).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from chat_templates import LLAMA3_CHAT_TEMPLATE
-from tools.launcher import PYTHON, run, torchrun
+from tools.launcher import PYTHON, REPO, run, torchrun
 
 STEPS = 16
 COMMON = ["recipe=tiny_llama", f"train.steps={STEPS}", "train.log_interval=1", "train.eval_interval=8",
@@ -34,16 +37,38 @@ MMLU_HOOK = ["mmlu.enabled=true", "mmlu.interval=8", "mmlu.limit_per_subject=3",
 PROFILE = ["profile.enabled=true", "profile.steps=[3,4]", "profile.wandb_artifact=true"]
 
 
+FALCON = ["recipe=tiny_falcon", "train.steps=12", "train.log_interval=1", "train.precision=bf16",
+          "schedule.warmup_steps=3", "optim.lr=3e-3", "train.eval_interval=0", "checkpoint.save_final=false",
+          "wandb.enabled=false", "run.name=falcon"]
+LLAMA3 = ["recipe=tiny_llama3", "train.steps=12", "train.log_interval=1", "schedule.warmup_steps=3", "optim.lr=3e-3",
+          "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.export_hf=true", "wandb.enabled=false",
+          "run.name=llama3"]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, shakespeare):
-    """Tiny Llama, 4 ranks, hpZ 2, 16 steps in one go with the MMLU hook every 8 steps and steps 3-4 profiled,
-    exported to Hugging Face, engine logits probed."""
+def pretrained(tmp_path_factory, shakespeare) -> dict[str, Path]:
+    """ONE 4-rank launch (tests/workers/train_and_probe.py), three runs in turn: ``full``, tiny Llama, hpZ 2, 16 steps
+    in one go with the MMLU hook every 8 steps and steps 3-4 profiled, exported to Hugging Face, engine logits
+    probed; ``falcon``, tiny Falcon in bf16, 12 steps; ``llama3``, recipes/tiny_llama3 on data prepared with a
+    trained Llama-3-style tokenizer, 12 steps, exported."""
     out = tmp_path_factory.mktemp("runs")
-    probe = out / "probe.pt"
-    torchrun(4, "tests/workers/train_and_probe.py", str(probe), *COMMON, *MMLU_HOOK, *PROFILE,
-             f"run.output_dir={out}", "run.name=full", f"data.train.0.path={shakespeare}", "checkpoint.export_hf=true",
-             timeout=900)
-    return out / "full", probe
+    probe, llama3_data = out / "probe.pt", out / "shakespeare_llama3"
+    run([PYTHON, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt", f"output={llama3_data}",
+         "tokenizer.train_kind=llama3", "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"],
+        timeout=600)
+    full = [*COMMON, *MMLU_HOOK, *PROFILE, f"run.output_dir={out}", "run.name=full", f"data.train.0.path={shakespeare}",
+            "checkpoint.export_hf=true"]
+    falcon = [*FALCON, f"run.output_dir={out}", f"data.train.0.path={shakespeare}"]
+    llama3 = [*LLAMA3, f"run.output_dir={out}", f"data.train.0.path={llama3_data}"]
+    torchrun(4, "tests/workers/train_and_probe.py", str(probe), *(" ".join(r) for r in (full, falcon, llama3)),
+             timeout=1500)
+    return {"full": out / "full", "probe": probe, "falcon": out / "falcon", "llama3": out / "llama3"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(pretrained) -> tuple[Path, Path]:
+    """The tiny Llama run of ``pretrained`` and its probe."""
+    return pretrained["full"], pretrained["probe"]
 
 
 RESUMED_LOG_INTERVAL = 3  # does not divide the stop step (8): the line of step 9 averages steps 7-9 of two launches
@@ -218,56 +243,137 @@ def test_hf_export_reloads_in_transformers_with_the_same_logits(uninterrupted):
 def test_offline_export_command_writes_the_same_weights(uninterrupted, tmp_path):
     from safetensors.torch import load_file
 
+    from zerotrain import export
+
     run_dir, _ = uninterrupted
-    run([PYTHON, "-m", "zerotrain.export", str(run_dir), str(tmp_path / "hf")], timeout=300)
+    # The command's main in this process (it needs no process group; tests/test_export.py runs the command itself).
+    assert export.main([str(run_dir), str(tmp_path / "hf")]) == 0
     again, first = load_file(tmp_path / "hf" / "model.safetensors"), load_file(run_dir / "hf" / "model.safetensors")
     assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
 
 
-def test_corrupt_checkpoint_fails_clearly_and_loses_nothing(resumed, tmp_path, shakespeare):
-    run_dir = tmp_path / "resumed"
+# ---- single-process failures, all in one process (train.py's main per case) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def failures(uninterrupted, resumed, shakespeare, tmp_path_factory) -> dict:
+    """Three relaunches of train.py (tests/workers/train_py_cases.py): ``corrupt``, the resumed run with a truncated
+    model shard, asking for 4 more steps; ``stop`` and ``continue``, the export of the uninterrupted run with a NaN
+    weight, under the default nan_policy and under nan_policy=continue."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("failures")
+    run_dir = root / "resumed"
     shutil.copytree(resumed[0], run_dir)
     victim = run_dir / "checkpoints" / "step_00000016" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
     victim.write_bytes(victim.read_bytes()[:100])
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file())
+    poisoned = root / "poisoned"
+    shutil.copytree(uninterrupted[0] / "hf", poisoned)
+    weights = load_file(poisoned / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
+    nan = ["recipe=tiny_llama", "zero=zero3_cpu", f"data.train.0.path={shakespeare}",
+           f"model.pretrained_path={poisoned}", "train.steps=3", "train.log_interval=10", "train.eval_interval=0",
+           "wandb.enabled=false", f"run.output_dir={root}"]
     # One process is enough: the integrity check runs before the world-size check. (Under torchrun the ranks exit
     # with 2 too, but torchrun itself reports any failed rank as 1.)
-    proc = run([PYTHON, "train.py", *COMMON, "train.steps=20", f"run.output_dir={tmp_path}",
-                "run.name=resumed", f"data.train.0.path={shakespeare}"], check=False, timeout=600)
-    assert proc.returncode == 2
-    assert f"checkpoint file {victim} is corrupt" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    after = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file())
-    assert set(before) <= set(after), "a failed resume must not delete any checkpoint file"
+    cases = [{"name": "corrupt", "argv": [*COMMON, "train.steps=20", f"run.output_dir={root}", "run.name=resumed",
+                                          f"data.train.0.path={shakespeare}"]},
+             {"name": "stop", "argv": [*nan, "run.name=stop"]},
+             {"name": "continue", "argv": [*nan, "run.name=continue", "train.nan_policy=continue"]}]
+    out = root / "out"
+    out.mkdir()
+    (root / "cases.json").write_text(json.dumps([{**case, "cwd": str(REPO)} for case in cases]))
+    run([PYTHON, "tests/workers/train_py_cases.py", root / "cases.json", out], timeout=900)
+    codes = json.loads((out / "results.json").read_text())
+    return {"root": root, "victim": victim, "before": before,
+            "after": sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file()),
+            **{case["name"]: (codes[case["name"]], (out / f"{case['name']}.log").read_text()) for case in cases}}
 
 
-def test_tiny_falcon_trains_in_bf16_on_4_processes(tmp_path, shakespeare):
-    torchrun(4, "train.py", "recipe=tiny_falcon", "train.steps=12", "train.log_interval=1", "train.precision=bf16",
-             "schedule.warmup_steps=3", "optim.lr=3e-3", "train.eval_interval=0", "checkpoint.save_final=false",
-             "wandb.enabled=false", f"run.output_dir={tmp_path}", "run.name=falcon",
-             f"data.train.0.path={shakespeare}", timeout=900)
-    curve = losses(tmp_path / "falcon")
+def test_corrupt_checkpoint_fails_clearly_and_loses_nothing(failures):
+    code, log = failures["corrupt"]
+    assert code == 2, log[-3000:]
+    assert f"checkpoint file {failures['victim']} is corrupt" in log
+    assert "Traceback" not in log
+    assert set(failures["before"]) <= set(failures["after"]), "a failed resume must not delete any checkpoint file"
+
+
+def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_curve(failures):
+    """A checkpoint with a NaN weight makes every loss NaN: the default policy logs the step, stops with a message
+    naming it and exits 3 without saving; nan_policy=continue records the diverged curve to the end."""
+    code, log = failures["stop"]
+    assert code == 3, log[-3000:]
+    assert "non-finite loss (nan) at step 1" in log
+    assert math.isnan(losses(failures["root"] / "stop")[1])  # logged although step 1 is not a logging step
+    assert not (failures["root"] / "stop" / "checkpoints" / "latest").exists()
+    assert failures["continue"][0] == 0, failures["continue"][1][-3000:]
+    assert sorted(losses(failures["root"] / "continue")) == [1, 2, 3]
+
+
+# ---- more architectures, and fine-tuning from the exports ---------------------------------------------------------
+
+
+def test_tiny_falcon_trains_in_bf16_on_4_processes(pretrained):
+    curve = losses(pretrained["falcon"])
     assert sorted(curve) == list(range(1, 13))
     assert curve[12] < curve[1] - 0.3, curve
-    assert not (tmp_path / "falcon" / "wandb").exists()
+    assert not (pretrained["falcon"] / "wandb").exists()
 
 
+HUB_SHA = "5ca1ab1e" * 5
 
-def test_tiny_llama3_trains_on_4_processes_under_hpz_and_fine_tunes_from_a_hub_id(tmp_path):
+
+@pytest.fixture(scope="module")
+def fine_tuned(pretrained, shakespeare, tmp_path_factory) -> dict[str, Path]:
+    """ONE 2-rank launch (hpZ 2, tests/workers/train_variants.py), two fine-tunings of 3 steps with the loss on
+    responses only, each model loaded under zero.Init: ``sft``, from the tiny Llama export (model.pretrained_path
+    a directory) on prompt/response and chat data; ``hub``, from the tiny Llama-3 export put in a fake Hub cache,
+    offline, as model.pretrained_path=<Hub id>@<commit>, on chat data rendered with the tokenizer's own template
+    (fetched by Hub id)."""
+    out = tmp_path_factory.mktemp("fine_tuned")
+    rows = [{"prompt": "Who wrote Hamlet?", "response": "William Shakespeare, who wrote many plays."},
+            {"messages": [{"role": "user", "content": "Say a line of verse."},
+                          {"role": "assistant", "content": "To be, or not to be: that is the question."}]}]
+    source = out / "sft.jsonl"
+    source.write_text("".join(json.dumps(rows[i % 2]) + "\n" for i in range(32)))
+    run([PYTHON, "data/prepare.py", f"input={source}", f"output={out / 'sft_data'}", "kind=sft",
+         f"tokenizer={shakespeare}", "valid_fraction=0", "progress=false"], timeout=120)
+
+    snapshot = out / "hub" / "models--zerotrain-test--tiny-llama3" / "snapshots" / HUB_SHA
+    shutil.copytree(pretrained["llama3"] / "hf", snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(HUB_SHA)
+    config = json.loads((snapshot / "tokenizer_config.json").read_text())
+    config["chat_template"] = LLAMA3_CHAT_TEMPLATE
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(out / "hub")}
+    chats = out / "chats.jsonl"
+    chat = {"messages": [{"role": "user", "content": "Who wrote Hamlet?"},
+                         {"role": "assistant", "content": "William Shakespeare, who wrote many plays."}]}
+    chats.write_text((json.dumps(chat) + "\n") * 32)
+    run([PYTHON, "data/prepare.py", f"input={chats}", f"output={out / 'hub_data'}", "kind=sft",
+         "chat_template=tokenizer", "tokenizer=zerotrain-test/tiny-llama3", "valid_fraction=0", "progress=false"],
+        env=offline, timeout=300)
+    common = ["data.kind=sft", "train.steps=3", "train.log_interval=1", "train.seq_len=64", "train.micro_batch_size=2",
+              "optim.lr=1e-4", "schedule.warmup_steps=0", "train.eval_interval=0", "wandb.enabled=false",
+              f"run.output_dir={out}"]
+    sft = ["recipe=tiny_llama", *common, f"data.train.0.path={out / 'sft_data'}",
+           f"model.pretrained_path={pretrained['full'] / 'hf'}", "run.name=sft"]
+    hub = ["recipe=tiny_llama3", *common, f"data.train.0.path={out / 'hub_data'}",
+           f"model.pretrained_path=zerotrain-test/tiny-llama3@{HUB_SHA}", "run.name=from_hub"]
+    torchrun(2, "tests/workers/train_variants.py", " ".join(sft), " ".join(hub), env=offline, timeout=900)
+    return {"sft": out / "sft", "hub": out / "from_hub"}
+
+
+def test_tiny_llama3_trains_on_4_processes_under_hpz_and_fine_tunes_from_a_hub_id(pretrained, fine_tuned):
     """recipes/tiny_llama3: data prepared with a trained Llama-3-style tokenizer (<|begin_of_text|> documents), a
     GQA model with Llama-3 RoPE scaling and tied embeddings, 4 ranks with hpZ 2; the Hugging Face export carries the
     Llama-3 shape and the run's tokenizer, and, put in a Hub cache, is fine-tuned from its Hub id offline."""
     from transformers import AutoConfig, AutoTokenizer
 
-    data = tmp_path / "shakespeare_llama3"
-    run([PYTHON, "data/prepare.py", "input=data/corpus/shakespeare_milton.txt", f"output={data}",
-         "tokenizer.train_kind=llama3", "tokenizer.train_vocab_size=2048", "valid_fraction=0.02", "progress=false"],
-        timeout=600)
-    torchrun(4, "train.py", "recipe=tiny_llama3", "train.steps=12", "train.log_interval=1", "schedule.warmup_steps=3",
-             "optim.lr=3e-3", "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.export_hf=true",
-             "wandb.enabled=false", f"run.output_dir={tmp_path}", "run.name=llama3", f"data.train.0.path={data}",
-             timeout=900)
-    run_dir = tmp_path / "llama3"
+    run_dir = pretrained["llama3"]
     curve = losses(run_dir)
     assert sorted(curve) == list(range(1, 13))
     assert curve[12] < curve[1] - 0.5, curve
@@ -281,30 +387,7 @@ def test_tiny_llama3_trains_on_4_processes_under_hpz_and_fine_tunes_from_a_hub_i
     assert (tokenizer.bos_token_id, len(tokenizer)) == (1792, 2048)
     assert tokenizer("To be")["input_ids"][0] == 1792  # as every training document starts
 
-    # The export as a Hub model in a fake Hub cache, offline: chat data rendered with the tokenizer's own template
-    # (fetched by Hub id), then fine-tuning from model.pretrained_path=<Hub id>@<commit> on 2 ranks (hpZ 2).
-    sha = "5ca1ab1e" * 5
-    snapshot = tmp_path / "hub" / "models--zerotrain-test--tiny-llama3" / "snapshots" / sha
-    shutil.copytree(export, snapshot)
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text(sha)
-    config = json.loads((snapshot / "tokenizer_config.json").read_text())
-    config["chat_template"] = LLAMA3_CHAT_TEMPLATE
-    (snapshot / "tokenizer_config.json").write_text(json.dumps(config))
-    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
-    chats = tmp_path / "chats.jsonl"
-    chat = {"messages": [{"role": "user", "content": "Who wrote Hamlet?"},
-                         {"role": "assistant", "content": "William Shakespeare, who wrote many plays."}]}
-    chats.write_text((json.dumps(chat) + "\n") * 32)
-    run([PYTHON, "data/prepare.py", f"input={chats}", f"output={tmp_path / 'sft'}", "kind=sft",
-         "chat_template=tokenizer", "tokenizer=zerotrain-test/tiny-llama3", "valid_fraction=0", "progress=false"],
-        env=offline, timeout=300)
-    torchrun(2, "train.py", "recipe=tiny_llama3", "data.kind=sft", f"data.train.0.path={tmp_path / 'sft'}",
-             f"model.pretrained_path=zerotrain-test/tiny-llama3@{sha}", "train.steps=3", "train.log_interval=1",
-             "train.seq_len=64", "train.micro_batch_size=2", "optim.lr=1e-4", "schedule.warmup_steps=0",
-             "train.eval_interval=0", "wandb.enabled=false", f"run.output_dir={tmp_path}", "run.name=sft",
-             env=offline, timeout=600)
-    tuned = losses(tmp_path / "sft")
+    tuned = losses(fine_tuned["hub"])
     # From scratch the loss starts at ln(2048) = 7.62; the pretrained weights start below it.
     assert sorted(tuned) == [1, 2, 3] and all(math.isfinite(v) for v in tuned.values()) and tuned[1] < 7.2, tuned
 
@@ -326,44 +409,10 @@ def test_standalone_mmlu_scores_a_training_run_directory(uninterrupted, tmp_path
     assert standalone["micro"]["accuracy"] == pytest.approx(hook["mmlu/acc"])
 
 
-def test_sft_fine_tuning_starts_from_a_hugging_face_checkpoint(uninterrupted, shakespeare, tmp_path):
+def test_sft_fine_tuning_starts_from_a_hugging_face_checkpoint(fine_tuned):
     """model.pretrained_path: the export of the pretraining run is loaded under zero.Init (2 ranks, hpZ 2) and
     fine-tuned on prompt/response and chat data with the loss on responses only."""
-    rows = [{"prompt": "Who wrote Hamlet?", "response": "William Shakespeare, who wrote many plays."},
-            {"messages": [{"role": "user", "content": "Say a line of verse."},
-                          {"role": "assistant", "content": "To be, or not to be: that is the question."}]}]
-    source = tmp_path / "sft.jsonl"
-    source.write_text("".join(json.dumps(rows[i % 2]) + "\n" for i in range(32)))
-    run([PYTHON, "data/prepare.py", f"input={source}", f"output={tmp_path / 'sft'}", "kind=sft",
-         f"tokenizer={shakespeare}", "valid_fraction=0", "progress=false"], timeout=120)
-    torchrun(2, "train.py", "recipe=tiny_llama", "data.kind=sft", f"data.train.0.path={tmp_path / 'sft'}",
-             f"model.pretrained_path={uninterrupted[0] / 'hf'}", "train.steps=3", "train.log_interval=1",
-             "train.seq_len=64", "train.micro_batch_size=2", "optim.lr=1e-4", "schedule.warmup_steps=0",
-             "train.eval_interval=0", "wandb.enabled=false", f"run.output_dir={tmp_path}", "run.name=sft",
-             timeout=600)
-    curve = losses(tmp_path / "sft")
+    curve = losses(fine_tuned["sft"])
     assert sorted(curve) == [1, 2, 3]
     # A randomly initialised model starts at ln(vocab) = ln(2048) = 7.62; the pretrained weights start well below.
     assert all(math.isfinite(v) for v in curve.values()) and curve[1] < 7.2, curve
-
-
-def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_curve(uninterrupted, shakespeare, tmp_path):
-    """A checkpoint with a NaN weight makes every loss NaN: the default policy logs the step, stops with a message
-    naming it and exits 3 without saving; nan_policy=continue records the diverged curve to the end."""
-    from safetensors.torch import load_file, save_file
-
-    poisoned = tmp_path / "poisoned"
-    shutil.copytree(uninterrupted[0] / "hf", poisoned)
-    weights = load_file(poisoned / "model.safetensors")
-    weights["model.norm.weight"][0] = float("nan")
-    save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
-    args = ["recipe=tiny_llama", "zero=zero3_cpu", f"data.train.0.path={shakespeare}",
-            f"model.pretrained_path={poisoned}", "train.steps=3", "train.log_interval=10", "train.eval_interval=0",
-            "wandb.enabled=false", f"run.output_dir={tmp_path}"]
-    stopped = run([PYTHON, "train.py", *args, "run.name=stop"], check=False, timeout=300)
-    assert stopped.returncode == 3
-    assert "non-finite loss (nan) at step 1" in stopped.stdout + stopped.stderr
-    assert math.isnan(losses(tmp_path / "stop")[1])  # logged although step 1 is not a logging step
-    assert not (tmp_path / "stop" / "checkpoints" / "latest").exists()
-    run([PYTHON, "train.py", *args, "run.name=continue", "train.nan_policy=continue"], timeout=300)
-    assert sorted(losses(tmp_path / "continue")) == [1, 2, 3]

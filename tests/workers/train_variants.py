@@ -2,7 +2,8 @@
 
 A launch costs tens of seconds before the first step on the 2-core test machine; runs that only differ in a few
 keys share one. Each argument is one run's overrides, space-separated; a run repeated with the same run.name
-resumes from the checkpoint the previous one left (train.exit_interval).
+resumes from the checkpoint the previous one left (train.exit_interval). The first run that exits non-zero ends the
+launch with its code. ``fit_each`` is the loop, for workers that do more around it (tests/workers/train_and_probe.py).
 Usage: torchrun ... tests/workers/train_variants.py "key=value key=value" "key=value ..." ...
 """
 
@@ -12,12 +13,20 @@ from zerotrain.run_config import parse_args
 from zerotrain.trainer import Trainer
 
 
-def main() -> int:
-    for overrides in sys.argv[1:]:
-        code = Trainer(parse_args(overrides.split())).fit()
+def fit_each(runs: list[str]) -> int:
+    """Fit each run (its overrides space-separated) in turn: 0, or the exit code of the first that failed. Every
+    run's config is composed first, before any process group exists, as train.py composes its one (the check of
+    the ``deepspeed`` section runs DeepSpeed's parser for a world of one, which a formed group of 2 fails)."""
+    configs = [parse_args(overrides.split()) for overrides in runs]
+    for cfg in configs:
+        code = Trainer(cfg).fit()
         if code:
             return code
     return 0
+
+
+def main() -> int:
+    return fit_each(sys.argv[1:])
 
 
 if __name__ == "__main__":

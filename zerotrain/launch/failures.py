@@ -105,5 +105,9 @@ def failure_from_torchrun(rank: int, failure: ProcessFailure) -> RankFailure:
 
 
 def first_failure(failures: list[RankFailure]) -> RankFailure:
-    """The rank that failed first (by the time it recorded, then by rank): its code is the run's."""
-    return min(failures, key=lambda f: (f.time_ns, f.rank))
+    """The rank that failed first (by the time it recorded, then by rank): its code is the run's.
+
+    A rank without our record has torchrun's time, whole seconds of when torchrun noticed it. A rank killed by a
+    signal (the OOM killer's SIGKILL, a segfault) takes its peers down within the same second (gloo's "connection
+    reset", exit 1), so within a second a killed rank counts as first: it is the cause, the others' errors follow."""
+    return min(failures, key=lambda f: (f.time_ns // 10**9, f.exitcode >= 0, f.time_ns, f.rank))
