@@ -14,12 +14,12 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from processes import Background
 from slurm_testlib import REPO, SlurmCluster
 
 SBATCH = REPO / "slurm" / "train.sbatch"
@@ -66,33 +66,12 @@ def jobs(slurm_cluster: SlurmCluster, tiny_data: Path, tmp_path_factory) -> Iter
             *overrides(tiny_data, workdir / "runs", name), f"wandb.mode={wandb_mode}",
             cwd=workdir, env={"ZEROTRAIN_ROOT": str(REPO)},
         )
-    preemption = _Background(_preempt_and_release, slurm_cluster, submitted["preempted"],
+    preemption = Background(_preempt_and_release, slurm_cluster, submitted["preempted"],
                              workdir / "runs" / "preempted" / "metrics.jsonl")
     yield {**submitted, "preemption": preemption}
     preemption.join(timeout=1)
     for name in ("reference", "preempted"):  # leave nothing running after a failure
         slurm_cluster.run("scancel", str(submitted[name]), check=False)
-
-
-class _Background(threading.Thread):
-    """Run fn(*args) in a thread; ``result()`` joins and re-raises its exception in the test."""
-
-    def __init__(self, fn, *args):
-        super().__init__(daemon=True)
-        self.fn, self.args, self.error = fn, args, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.fn(*self.args)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            self.error = e
-
-    def result(self, timeout: float) -> None:
-        self.join(timeout)
-        assert not self.is_alive(), "the preemption helper is still waiting"
-        if self.error:
-            raise self.error
 
 
 def test_hpz_job_trains_on_two_nodes_with_intra_node_groups(slurm_cluster, jobs):

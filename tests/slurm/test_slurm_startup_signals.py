@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from processes import Background
 from slurm_testlib import REPO, SlurmCluster, report
 
 from tools.launcher import PYTHON
@@ -120,7 +120,9 @@ def release_after_requeue(cluster: SlurmCluster, job_id: int, restarts: int, tim
     raise AssertionError(f"job {job_id} was not released after its requeue")
 
 
-def drive(cluster: SlurmCluster, job_id: int, moments: list[Moment], workdir: Path, sent: list[str]) -> None:
+def drive(cluster: SlurmCluster, job_id: int, moments: list[Moment], workdir: Path) -> list[str]:
+    """Signal the job at each moment in turn, releasing it after each requeue; the moments signalled, in order."""
+    sent: list[str] = []
     for start, (name, reached, how) in enumerate(moments):
         deadline = time.monotonic() + 600
         while not reached(job_id, start, workdir):
@@ -132,26 +134,7 @@ def drive(cluster: SlurmCluster, job_id: int, moments: list[Moment], workdir: Pa
         sent.append(name)
         report(f"job {job_id} start {start}: signalled at {name} ({how})")
         release_after_requeue(cluster, job_id, start + 1)
-
-
-class Driver(threading.Thread):
-    def __init__(self, *args):
-        super().__init__(daemon=True)
-        self.args, self.error, self.sent = args, None, []
-        self.start()
-
-    def run(self) -> None:
-        try:
-            drive(*self.args, self.sent)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            self.error = e
-
-    def result(self, timeout: float) -> list[str]:
-        self.join(timeout)
-        assert not self.is_alive(), "the signalling thread is still waiting"
-        if self.error:
-            raise self.error
-        return self.sent
+    return sent
 
 
 def slow_interpreter(workdir: Path) -> Path:
@@ -190,7 +173,8 @@ def jobs(slurm_cluster: SlurmCluster, tiny_data: Path, tmp_path_factory) -> Iter
     for name in MOMENTS:
         submitted[name] = submit(name, SBATCH)
     submitted["control"] = submit("control", old_behaviour_script(workdir), ZEROTRAIN_SIGNAL_HOLD="0")
-    submitted["drivers"] = {name: Driver(slurm_cluster, submitted[name], MOMENTS[name], workdir) for name in MOMENTS}
+    submitted["drivers"] = {name: Background(drive, slurm_cluster, submitted[name], MOMENTS[name], workdir)
+                           for name in MOMENTS}
     yield submitted
     for name in (*MOMENTS, "control"):
         slurm_cluster.run("scancel", str(submitted[name]), check=False)
