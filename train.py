@@ -112,4 +112,4 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     from zerotrain.launch.teardown import exit_with
 
-    exit_with(lambda: main(sys.argv[1:]))  # no C++ teardown after the outcome: it can abort (zerotrain/launch/teardown.py)
+    exit_with(lambda: main(sys.argv[1:]))  # no C++ teardown after the outcome: it can abort (launch/teardown.py)

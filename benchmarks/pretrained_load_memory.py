@@ -250,7 +250,8 @@ def table(result: dict, plan_bytes: int, params: int, checkpoint: Path, mmap_thr
     for r in sorted(result["ranks"], key=lambda r: r["rank"]):
         s = r["samples"]
         lines.append(f"| {r['rank']} | {g(r['rss_before'])} | {g(r['peak_rss'])} "
-                     f"| {g(r['peak_rss'] - r['rss_before'])} | {g(max(x[2] for x in s))} | {g(max(x[3] for x in s))} | {g(max(x[4] for x in s))} "
+                     f"| {g(r['peak_rss'] - r['rss_before'])} | {g(max(x[2] for x in s))} "
+                     f"| {g(max(x[3] for x in s))} | {g(max(x[4] for x in s))} "
                      f"| {g(r['partition_bytes'])} |")
     rss_load = result["node_peak_rss_sum"] - result["node_rss_before"]
     pss_load = result["node_peak_pss"] - result["node_pss_before"]

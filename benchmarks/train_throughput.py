@@ -63,7 +63,8 @@ def main() -> None:
     if hf["torch_world"] != args.nproc:
         sys.exit(f"the HF Trainer ran on {hf['torch_world']} ranks, not {args.nproc}: not comparable")
 
-    print(f"\n{' '.join([args.recipe, *args.overrides])}, {args.nproc} CPU processes, ZeRO-3 hpZ {args.hpz}, {args.steps} steps "
+    title = " ".join([args.recipe, *args.overrides])
+    print(f"\n{title}, {args.nproc} CPU processes, ZeRO-3 hpZ {args.hpz}, {args.steps} steps "
           f"(steady state, first window excluded)\n")
     print("| loop | step time (s) | tokens/s | tokens/s per process | relative |")
     print("|---|---|---|---|---|")

@@ -461,20 +461,20 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB // 10 or n == 0 else f"{n / 2**20:.2f} MiB"
 
 
-def verdict(p: MemoryPlan) -> str:
-    if p.device_bytes is None:
-        return f"device memory {p.device_source}: not checked"
-    room = p.device_bytes - p.total
+def _verdict(what: str, capacity: int | None, source: str, need: int) -> str:
+    if capacity is None:
+        return f"{what} {source}: not checked"
+    room = capacity - need
     state = f"fits, {_gib(room)} to spare" if room >= 0 else f"DOES NOT FIT, {_gib(-room)} over"
-    return f"of {_gib(p.device_bytes)} ({p.device_source}): {state}"
+    return f"of {_gib(capacity)} ({source}): {state}"
+
+
+def verdict(p: MemoryPlan) -> str:
+    return _verdict("device memory", p.device_bytes, p.device_source, p.total)
 
 
 def host_verdict(p: MemoryPlan) -> str:
-    if p.host_memory_bytes is None:
-        return f"host memory {p.host_source}: not checked"
-    room = p.host_memory_bytes - p.host_peak
-    state = f"fits, {_gib(room)} to spare" if room >= 0 else f"DOES NOT FIT, {_gib(-room)} over"
-    return f"of {_gib(p.host_memory_bytes)} ({p.host_source}): {state}"
+    return _verdict("host memory", p.host_memory_bytes, p.host_source, p.host_peak)
 
 
 def describe(p: MemoryPlan) -> str:
