@@ -34,10 +34,13 @@ def test_pretrained_load_equals_the_file_and_fits_the_plans_host_row(tmp_path):
 
     assert result["checksums"] and result["checksums"] == result["file_checksums"]  # every tensor, every byte
     ranks = {r["rank"]: r for r in result["ranks"]}
-    # Rank 0 alone maps the checkpoint (its file pages); the others read only the headers.
+    # Rank 0 alone maps the checkpoint (its file pages); the others read only the headers. A rank's file PSS also
+    # grows by the library pages the load first touches (shared by the ranks, measured 3-4.5 MiB each), so the bar
+    # for the others is half of what each would hold if all four mapped the file (on_disk / 4 each, by PSS).
     assert max(s[4] for s in ranks[0]["samples"]) > 0.9 * on_disk
     for rank in (1, 2, 3):
-        assert max(s[4] for s in ranks[rank]["samples"]) - ranks[rank]["samples"][0][4] < 0.05 * on_disk
+        grew = max(s[4] for s in ranks[rank]["samples"]) - ranks[rank]["samples"][0][4]
+        assert grew < on_disk / 8, (rank, grew, on_disk)
     # The node's load by PSS (shared pages once); the sum of RSS counts the libraries' pages the load first touches
     # once per rank (measured 13 MiB each here), so it is no measure of the node.
     pss_load = result["node_peak_pss"] - result["node_pss_before"]
