@@ -3,7 +3,9 @@
 The snapshot is what a contributor reads to know what a tier costs and where the time goes: the wall time of the
 whole run, the time per tier (fast, launch, slurm: the marks ``tests/tiers.py`` sets), per file, and the slowest
 tests. A test's time is its setup, call and teardown together, so a module fixture that launches a run is charged to
-the first test that uses it, as pytest charges it.
+the first test that uses it, as pytest charges it. Beside the wall seconds, CPU seconds (user + system, of pytest and
+of every process it waited for: a torchrun launch's ranks included, a SLURM job's tasks not, slurmd starts those):
+on 2 cores the suite cannot take less wall time than half its CPU seconds, so that is the column to cut.
 
     python tools/durations.py --out tests/durations.txt [pytest arguments...]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -30,6 +33,13 @@ class Recorder:
         self.tier: dict[str, str] = {}
         self.seconds: dict[str, float] = defaultdict(float)
         self.outcome: dict[str, str] = {}
+        self.cpu: dict[str, float] = defaultdict(float)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
+        before = cpu_seconds()
+        yield
+        self.cpu[item.nodeid] += cpu_seconds() - before
 
     @pytest.hookimpl(trylast=True)  # after conftest's mark_tiers has marked the items
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -43,24 +53,33 @@ class Recorder:
             self.outcome[report.nodeid] = report.outcome
 
 
+def cpu_seconds() -> float:
+    """User + system seconds of this process and of the children it has waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def render(recorder: Recorder, wall: float, exit_code: int) -> str:
     ran = [nodeid for nodeid in recorder.seconds if nodeid in recorder.tier]
     lines = [f"# tests/durations.txt: written by `make durations` on {time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()} CPU core(s), Python {platform.python_version()}; pytest exit status {exit_code}",
-             f"# whole run: {wall:.0f} s wall for {len(ran)} tests", "", "## per tier", "",
-             f"{'tier':<8} {'tests':>6} {'seconds':>8}"]
+             f"# whole run: {wall:.0f} s wall, {sum(recorder.cpu[n] for n in ran):.0f} CPU s, for {len(ran)} tests",
+             "", "## per tier", "", f"{'tier':<8} {'tests':>6} {'seconds':>8} {'CPU s':>8}"]
     for tier in ("fast", "launch", "slurm"):
         members = [n for n in ran if recorder.tier[n] == tier]
-        lines.append(f"{tier:<8} {len(members):>6} {sum(recorder.seconds[n] for n in members):>8.0f}")
-    per_file: dict[str, list[float]] = defaultdict(list)
+        lines.append(f"{tier:<8} {len(members):>6} {sum(recorder.seconds[n] for n in members):>8.0f} "
+                     f"{sum(recorder.cpu[n] for n in members):>8.0f}")
+    per_file: dict[str, list[str]] = defaultdict(list)
     for nodeid in ran:
-        per_file[nodeid.split("::")[0]].append(recorder.seconds[nodeid])
-    lines += ["", "## per file (seconds, tests)", ""]
-    for path, times in sorted(per_file.items(), key=lambda kv: -sum(kv[1])):
-        lines.append(f"{sum(times):>7.0f} {len(times):>4}  {path}")
-    lines += ["", f"## the {SLOWEST} slowest tests (seconds, tier)", ""]
+        per_file[nodeid.split("::")[0]].append(nodeid)
+    lines += ["", "## per file (seconds, CPU seconds, tests)", ""]
+    for path, ids in sorted(per_file.items(), key=lambda kv: -sum(recorder.seconds[n] for n in kv[1])):
+        lines.append(f"{sum(recorder.seconds[n] for n in ids):>7.0f} {sum(recorder.cpu[n] for n in ids):>7.0f} "
+                     f"{len(ids):>4}  {path}")
+    lines += ["", f"## the {SLOWEST} slowest tests (seconds, CPU seconds, tier)", ""]
     for nodeid in sorted(ran, key=lambda n: -recorder.seconds[n])[:SLOWEST]:
-        lines.append(f"{recorder.seconds[nodeid]:>7.1f}  {recorder.tier[nodeid]:<6}  {nodeid}")
+        lines.append(f"{recorder.seconds[nodeid]:>7.1f} {recorder.cpu[nodeid]:>7.1f}  {recorder.tier[nodeid]:<6}  "
+                     f"{nodeid}")
     return "\n".join(lines) + "\n"
 
 
