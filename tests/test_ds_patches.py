@@ -91,3 +91,67 @@ def test_negative_control_two_patch_sets_on_one_method_lose_the_inner_wrapper():
     first.restore()
     backend.barrier()
     assert seen == []  # the second wrapper is gone with the first's restore
+
+
+# ---- torch.compile at the import of DeepSpeed's Muon module, deferred to the first call --------------------------
+
+ENGINE_BUILD = """
+import os, sys, torch, deepspeed
+from zerotrain import ds_patches
+if sys.argv[1] == "deferred":
+    ds_patches.defer_import_time_compile()
+deepspeed.init_distributed(dist_backend="gloo")
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+loss = engine(torch.randn(1, 8)).sum()
+engine.backward(loss)
+engine.step()
+print("muon imported:", "deepspeed.runtime.zero.muon.original_muon" in sys.modules)
+print("inductor imported:", "torch._inductor.compile_fx" in sys.modules)
+"""
+
+
+@pytest.mark.launch
+def test_a_zero3_engine_build_no_longer_imports_inductor(tmp_path):
+    """DeepSpeed's engine build imports its Muon module (is ZeRO supported for this optimizer?), whose
+    ``@compiler.compile()`` made torch.compile import all of torch._inductor; deferred, the same build and step
+    import the module but not inductor. The control (no call) shows the import is DeepSpeed's, so the patch is live."""
+    from tools.launcher import PYTHON, free_port, run
+
+    script = tmp_path / "build.py"
+    script.write_text(ENGINE_BUILD)
+    single = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for how, inductor in (("deferred", False), ("as_deepspeed_does", True)):
+        proc = run([PYTHON, str(script), how], env={**single, "MASTER_PORT": str(free_port())}, timeout=300)
+        assert "muon imported: True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+        assert f"inductor imported: {inductor}" in proc.stdout, (how, proc.stdout)
+
+
+def test_the_deferred_compile_compiles_once_at_the_first_call_with_the_same_arguments(monkeypatch):
+    import torch
+    from deepspeed.runtime import compiler
+
+    ds_patches.defer_import_time_compile()
+    calls = []
+    real = torch.compile
+
+    def spy(fn, **kwargs):
+        calls.append(kwargs)
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+
+    @compiler.compile()(backend="eager")
+    def scaled(x):
+        return 2 * x
+
+    @compiler.compile()
+    def shifted(x):
+        return x + 1
+
+    assert calls == []  # decorating compiles nothing
+    x = torch.arange(4.0)
+    assert torch.equal(scaled(x), 2 * x) and torch.equal(scaled(x), 2 * x)
+    assert calls == [{"backend": "eager"}]  # once, at the first call
+    assert shifted.__name__ == "shifted" and calls == [{"backend": "eager"}]

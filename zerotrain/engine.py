@@ -22,6 +22,7 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from zerotrain import ds_patches
 from zerotrain.config import did_you_mean
 from zerotrain.errors import ConfigError
 from zerotrain.fields import bounded
@@ -306,6 +307,7 @@ def initialize(model: torch.nn.Module, optim: OptimConfig, schedule: ScheduleCon
     """``deepspeed.initialize`` with our optimizer and schedule; returns the engine."""
     optimizer = build_optimizer(optim, model, impl)
     factor = lr_multiplier(schedule, total_steps)
+    ds_patches.defer_import_time_compile()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from zerotrain import hpz
+from zerotrain import ds_patches, hpz
 from zerotrain.hpz import grad_reduce
 from zerotrain.run_config import parse_args
 
@@ -490,6 +490,7 @@ def main(out_path: str, phase: str, data: str, runs_dir: str, comm: list[str]) -
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
+    ds_patches.defer_import_time_compile()  # as the trainer's engine build does (2 CPU s a process)
     runs = Path(runs_dir)
     results: dict = {"seconds": {}}
 

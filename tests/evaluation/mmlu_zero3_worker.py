@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
+from zerotrain import ds_patches
+
 from zerotrain.evaluation import evaluate, load_mmlu
 
 DS_CONFIG = {
@@ -52,6 +54,7 @@ def build_engine(export: Path):
     # without optimizer + hpZ can crash in _set_zero_group_parallelism, being fixed
     # elsewhere); lr=0 and no step() leave the weights untouched anyway.
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # a ZeRO-tested optimizer
+    ds_patches.defer_import_time_compile()  # as the trainer's engine build does (2 CPU s a process)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=DS_CONFIG)
     return engine, hf_ds_config
 

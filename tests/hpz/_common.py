@@ -19,6 +19,9 @@ WORLD_HPZ = 2  # 4 ranks = 2 emulated nodes of 2
 
 def init_dist() -> None:
     import deepspeed
+
+    from zerotrain import ds_patches
+    ds_patches.defer_import_time_compile()  # as the trainer's engine build does (2 CPU s a process)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
 

@@ -60,6 +60,10 @@ class Zero3Model:
         from transformers import AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
+        from zerotrain import ds_patches
+
+        ds_patches.defer_import_time_compile()
+
         self.config = inference_config(dtype)
         self._hf_ds_config = HfDeepSpeedConfig(self.config)  # read by from_pretrained: build under zero.Init
         model = AutoModelForCausalLM.from_pretrained(export, dtype=dtype)
