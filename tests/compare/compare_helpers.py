@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -81,15 +82,28 @@ def _offline_records(data: bytes) -> list[bytes]:
     return records
 
 
-def offline_history(path: Path) -> list[dict[str, Any]]:
+def offline_history(path: Path, timeout: float = 60.0) -> list[dict[str, Any]]:
     """The history rows of one W&B offline run file, decoded with wandb's own protobuf schema, keys without W&B's
-    own (``_step``, ``_runtime``, ``_timestamp``)."""
+    own (``_step``, ``_runtime``, ``_timestamp``).
+
+    ``run.finish()`` can return before W&B's service process has written the last records (seen once in ~15 tries on
+    a loaded machine: the file then lacked the last history row, which was there a moment later), so this waits up
+    to ``timeout`` for the run's ``exit`` record, the last one W&B writes."""
     from wandb.proto import wandb_internal_pb2
 
+    deadline = time.monotonic() + timeout
+    while True:
+        records = []
+        for raw in _offline_records(Path(path).read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            records.append(record)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        assert time.monotonic() < deadline, f"{path}: W&B wrote no exit record within {timeout:g} s"
+        time.sleep(0.1)
     rows = []
-    for raw in _offline_records(Path(path).read_bytes()):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             rows.append({k: v for k, v in items.items() if not k.startswith("_")})
