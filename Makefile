@@ -9,6 +9,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 NPROC ?= 4
+# The suite runs on TEST_WORKERS pytest-xdist workers, tests grouped and ordered by tests/scheduling.py (most of a
+# serial run's wall time waits on SLURM, timeouts or one core; two workers fill it). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
@@ -49,13 +53,13 @@ demo: setup data
 	$(PY) -m zerotrain.launch.torchrun --standalone --nproc_per_node=$(NPROC) train.py recipe=tiny_llama $(ARGS)
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not launch and not slurm" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not launch and not slurm" $(XDIST) $(PYTEST_ARGS)
 
 durations: setup
-	$(PY) tools/durations.py --out tests/durations.txt $(PYTEST_ARGS)
+	$(PY) tools/durations.py --out tests/durations.txt $(XDIST) $(PYTEST_ARGS)
 
 # make wheelhouse PY=3.12: the wheels a GPU node with its own torch and no network needs (tools/wheelhouse.py,
 # docs/offline_install.md), into wheelhouse/py312; needs PyPI. Here PY is the target Python version.

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+import scheduling
 from tiers import SpawnGuard, mark_tiers
 
+from tools import durations
 from tools.launcher import CPU_ENV, PYTHON, run
 
 os.environ.update(CPU_ENV)
@@ -55,8 +57,22 @@ def read_only_dir(tmp_path):
 _SPAWN_GUARD = SpawnGuard()
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     mark_tiers(items)
+    scheduling.schedule(config, items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item):
+    durations.start(item)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item):
+    report = yield
+    report.user_properties = [*report.user_properties, *durations.phase_properties(item)]  # a copy: per phase
+    return report
 
 
 @pytest.hookimpl(wrapper=True)

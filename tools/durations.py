@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import resource
 import sys
 import time
@@ -27,7 +28,8 @@ SLOWEST = 30
 
 
 class Recorder:
-    """A pytest plugin: each test's tier and its time over the three phases."""
+    """A pytest plugin (in the process that reports: the xdist controller, or the only one): each test's tier and
+    its wall and CPU time over the three phases, from what :func:`phase_properties` put on its reports."""
 
     def __init__(self) -> None:
         self.tier: dict[str, str] = {}
@@ -35,22 +37,39 @@ class Recorder:
         self.outcome: dict[str, str] = {}
         self.cpu: dict[str, float] = defaultdict(float)
 
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
-        before = cpu_seconds()
-        yield
-        self.cpu[item.nodeid] += cpu_seconds() - before
-
-    @pytest.hookimpl(trylast=True)  # after conftest's mark_tiers has marked the items
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        for item in items:
-            marks = {m.name for m in item.iter_markers()}
-            self.tier[item.nodeid] = "slurm" if "slurm" in marks else "launch" if "launch" in marks else "fast"
-
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.seconds[report.nodeid] += report.duration
+        nodeid = _GROUP_SUFFIX.sub("", report.nodeid)  # xdist's loadgroup appends "@<group>"
+        self.seconds[nodeid] += report.duration
+        for key, value in report.user_properties:
+            if key == CPU_KEY:
+                self.cpu[nodeid] += float(value)
+            elif key == TIER_KEY:
+                self.tier[nodeid] = str(value)
         if report.when == "call" or report.outcome != "passed":
-            self.outcome[report.nodeid] = report.outcome
+            self.outcome[nodeid] = report.outcome
+
+
+# ---- in the process that runs the test (tests/conftest.py calls these): the phase's CPU time and the test's tier
+CPU_KEY, TIER_KEY = "durations_cpu_s", "durations_tier"
+_GROUP_SUFFIX = re.compile(r"@tests/[^@]*\.py$")
+
+
+def start(item: pytest.Item) -> None:
+    """Before the test's setup."""
+    item.stash[_MARK] = cpu_seconds()
+
+
+def phase_properties(item: pytest.Item) -> list[tuple[str, object]]:
+    """What to add to a phase's report: the CPU seconds since the last phase ended, and the test's tier."""
+    now = cpu_seconds()
+    spent = now - item.stash.get(_MARK, now)
+    item.stash[_MARK] = now
+    marks = {m.name for m in item.iter_markers()}
+    tier = "slurm" if "slurm" in marks else "launch" if "launch" in marks else "fast"
+    return [(CPU_KEY, round(spent, 3)), (TIER_KEY, tier)]
+
+
+_MARK = pytest.StashKey[float]()
 
 
 def cpu_seconds() -> float:

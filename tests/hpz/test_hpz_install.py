@@ -113,3 +113,14 @@ def test_counters_snapshot_and_reset():
     for name in ("events_recorded", "waits_issued", "host_syncs", "shards_built", "shards_read", "verify_checks",
                  "device_ordered_copies", "source_record_streams", "legacy_unwritten_elements"):
         assert snap[name] == 0
+
+
+def test_uninstall_turns_verification_off_for_the_next_install_and_the_reader_hook():
+    """Found when the suite ran on two workers (another order of tests in one process): verify stayed on after an
+    uninstall, and the next test's reader hook verified shards of parameters that had no process group."""
+    hpz.install(mode="sync", verify=True)
+    hpz.uninstall()
+    assert not hpz._verify and not hpz.verify_enabled()
+    hpz.install(mode="ordered")
+    assert not hpz.verify_enabled()
+    hpz.uninstall()

@@ -116,9 +116,12 @@ def install(mode: str = "ordered", verify: bool = False, *, grad_reduce: str = "
 
 
 def uninstall() -> None:
-    """Restore every patched attribute to DeepSpeed's original object. Harmless when not installed."""
+    """Restore every patched attribute to DeepSpeed's original object, verification off. Harmless when not
+    installed."""
+    global _verify
     with _lock:
         _restore_locked()
+        _verify = False
 
 
 def _restore_locked() -> None:
