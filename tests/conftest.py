@@ -57,6 +57,7 @@ def read_only_dir(tmp_path):
 _SPAWN_GUARD = SpawnGuard()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the xdist_group marks into the "@group" scopes
 def pytest_collection_modifyitems(config, items):
     mark_tiers(items)
     scheduling.schedule(config, items)
@@ -83,3 +84,4 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     return (yield from _SPAWN_GUARD.watch(item))
+

@@ -102,9 +102,15 @@ def longest_first(items: list[pytest.Item], groups: dict[str, str], seconds: dic
     items.sort(key=lambda it: (-cost[groups[file_of(it)]], first_seen[groups[file_of(it)]], file_rank[file_of(it)]))
 
 
+def distributed_by_group(config: pytest.Config) -> bool:
+    """Whether this process collects for ``--dist loadgroup`` workers: xdist sets ``loadgroup`` in each worker (where
+    ``dist`` reads "no"); collection happens only there."""
+    return bool(getattr(config.option, "loadgroup", False))
+
+
 def schedule(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group and order the collected tests when the run is distributed by group (``--dist loadgroup``)."""
-    if config.getoption("dist", "no") != "loadgroup":
+    if not distributed_by_group(config):
         return
     groups = file_groups(items)
     for item in items:

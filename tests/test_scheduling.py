@@ -3,6 +3,7 @@ session fixture run in one worker, the rest file by file, and the longest groups
 
 from __future__ import annotations
 
+import pytest
 import scheduling
 
 
@@ -41,3 +42,13 @@ def test_the_snapshot_is_read_per_file():
     seconds = scheduling.snapshot_seconds()
     assert seconds and all(f.startswith("tests/") and f.endswith(".py") for f in seconds)
     assert seconds.get("tests/hpz/test_hpz_emulated.py", 0) > seconds.get("tests/test_hub.py", 0)
+
+
+def test_under_make_test_every_test_runs_in_its_group(request):
+    """xdist schedules by the "@<group>" suffix its own collection hook adds from the marks: a test without it would
+    be a unit of its own, and its module and session fixtures set up again in the other worker."""
+    if not scheduling.distributed_by_group(request.config):
+        pytest.skip("not a run on xdist workers (make test)")
+    groups = scheduling.file_groups(request.session.items)
+    for item in request.session.items:
+        assert item.nodeid.endswith("@" + groups[scheduling.file_of(item)]), item.nodeid
