@@ -5,7 +5,8 @@ whole run, the time per tier (fast, launch, slurm: the marks ``tests/tiers.py`` 
 tests. A test's time is its setup, call and teardown together, so a module fixture that launches a run is charged to
 the first test that uses it, as pytest charges it. Beside the wall seconds, CPU seconds (user + system, of pytest and
 of every process it waited for: a torchrun launch's ranks included, a SLURM job's tasks not, slurmd starts those):
-on 2 cores the suite cannot take less wall time than half its CPU seconds, so that is the column to cut.
+on 2 cores the suite cannot take less wall time than half its CPU seconds, so that is the column to cut. On
+xdist workers (``make durations`` passes make test's ``-n 2``) a test's seconds include the other worker's load.
 
     python tools/durations.py --out tests/durations.txt [pytest arguments...]
 """
