@@ -84,4 +84,3 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     return (yield from _SPAWN_GUARD.watch(item))
-

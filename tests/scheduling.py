@@ -90,16 +90,19 @@ def snapshot_seconds(path: Path = SNAPSHOT) -> dict[str, float]:
 def longest_first(items: list[pytest.Item], groups: dict[str, str], seconds: dict[str, float]) -> None:
     """Reorder ``items`` in place: whole groups, longest first (ties: collection order); files stay contiguous."""
     cost: dict[str, float] = {}
-    first_seen: dict[str, int] = {}
-    for i, item in enumerate(items):
-        group = groups[file_of(item)]
-        first_seen.setdefault(group, i)
     for f, group in groups.items():
         cost[group] = cost.get(group, 0.0) + seconds.get(f, 0.0)
-    file_rank = {}
+    first_of_group: dict[str, int] = {}
+    first_of_file: dict[str, int] = {}
     for i, item in enumerate(items):
-        file_rank.setdefault(file_of(item), i)
-    items.sort(key=lambda it: (-cost[groups[file_of(it)]], first_seen[groups[file_of(it)]], file_rank[file_of(it)]))
+        first_of_group.setdefault(groups[file_of(item)], i)
+        first_of_file.setdefault(file_of(item), i)
+
+    def key(item: pytest.Item) -> tuple[float, int, int]:
+        group = groups[file_of(item)]
+        return -cost[group], first_of_group[group], first_of_file[file_of(item)]
+
+    items.sort(key=key)  # stable: a file's tests keep their order
 
 
 def distributed_by_group(config: pytest.Config) -> bool:
