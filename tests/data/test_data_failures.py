@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from zerotrain.data.prepare import Interrupted
 from zerotrain.data.sources import first_invalid_utf8, iter_file_records
+from zerotrain.data.tokenizer import train_sentencepiece
 from zerotrain.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,3 +144,32 @@ def test_one_line_of_text_is_enough_to_reach_sentencepiece(tmp_path):
     cfg = PrepareConfig(input=str(path), output=str(tmp_path / "out"), progress=False, valid_fraction=0.0,
                         tokenizer=TokenizerArgs(train_vocab_size=400))
     assert prepare(cfg).manifest["tokenizer"]["vocab_size"] == 400
+
+
+@pytest.mark.parametrize("raised", [Interrupted(signal.SIGTERM), DataError("input.jsonl line 3: not JSON")],
+                         ids=["sigterm", "bad_input"])
+def test_what_the_text_iterator_raises_during_tokenizer_training_comes_out_as_itself(tmp_path, raised):
+    """sentencepiece turns an exception from its sentence iterator into RuntimeError("INTERNAL: ..."), which made a
+    SIGTERM during tokenizer training exit 2 as "training ... failed" (found when the suite ran on two workers:
+    the signal of test_sigterm_during_prepare_removes_the_partial_output landed in training)."""
+
+    def texts():
+        for i in range(2000):
+            yield f"line {i} of a text that is long enough to train on, with words and more words {i % 37}"
+        raise raised
+
+    with pytest.raises(type(raised)) as caught:
+        train_sentencepiece(texts(), tmp_path / "t.model", vocab_size=300)
+    assert caught.value is raised
+
+
+def test_control_sentencepiece_itself_wraps_what_its_iterator_raises():
+    """Why the iterator is watched: called directly, sentencepiece reports the iterator's error as its own."""
+    import sentencepiece as spm
+
+    def sentences():
+        yield "one line"
+        raise Interrupted(signal.SIGTERM)
+
+    with pytest.raises(RuntimeError, match="Interrupted"):
+        spm.SentencePieceTrainer.train(sentence_iterator=sentences(), model_writer=io.BytesIO(), vocab_size=300)

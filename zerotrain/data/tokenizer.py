@@ -578,6 +578,24 @@ def _lines(texts: Iterable[str]) -> Iterator[str]:
                 yield line
 
 
+class _Feed:
+    """The sentences handed to sentencepiece, remembering what the iterator raised: sentencepiece turns an exception
+    from its ``sentence_iterator`` into its own ``RuntimeError("INTERNAL: ...")``, which would report a SIGTERM
+    during training (data/prepare.py's :class:`~zerotrain.data.prepare.Interrupted`) or an unreadable input as a
+    failed tokenizer training."""
+
+    def __init__(self, lines: Iterator[str]):
+        self.lines = lines
+        self.raised: BaseException | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self.lines
+        except BaseException as e:  # noqa: BLE001 -- recorded and raised again as itself by train_sentencepiece
+            self.raised = e
+            raise
+
+
 def train_sentencepiece(
     texts: Iterable[str],
     out_path: str | Path,
@@ -596,9 +614,12 @@ def train_sentencepiece(
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
     options: dict[str, Any] = dict(LLAMA2_TRAINER_SPEC, vocab_size=vocab_size, input_sentence_size=max_sentences)
+    feed = _Feed(_lines(texts))
     try:
-        spm.SentencePieceTrainer.train(sentence_iterator=_lines(texts), model_writer=model, **options)
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(feed), model_writer=model, **options)
     except RuntimeError as e:
+        if feed.raised is not None:  # our text iterator's own error (a bad input, a SIGTERM), not sentencepiece's
+            raise feed.raised from None
         raise DataError(
             f"training a {vocab_size}-token sentencepiece tokenizer on this text failed: {e}. With little text or "
             f"few distinct characters, lower tokenizer.train_vocab_size (it must exceed 259 + the number of distinct "
