@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   set up a fresh machine (virtualenv + pinned packages), prepare the shipped corpus, train tiny Llama
 #   make test   set up the same way, then run the whole test suite
-# For contributors (CONTRIBUTING.md): make test-fast (no test that starts a process, ~30 s), make durations (the whole
+# For contributors (CONTRIBUTING.md): make test-fast (no test that starts a process, under a minute), make durations (the whole
 # suite, refreshing tests/durations.txt).
 # Everything runs on the CPU (DeepSpeed's CPU accelerator, gloo); override NPROC for more or fewer processes.
 
