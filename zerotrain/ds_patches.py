@@ -126,8 +126,8 @@ def defer_import_time_compile() -> None:
     but builds its inductor wrapper at decoration, which imports all of ``torch._inductor`` (and networkx): measured
     2 CPU s per process, an eighth of a 2-step tiny run on 4 ranks, for functions that only a Muon optimizer calls.
     Deferred, a run that uses Muon gets the same compiled functions at their first call, one that does not never
-    imports inductor. Call before the first engine build (the engine builders and ``hpz.install`` do); idempotent,
-    for the process."""
+    imports inductor. Call before the first engine build (``zerotrain.engine.initialize`` and the evaluation's
+    ``Zero3Model`` do); idempotent, for the process."""
     global _compile_patch
     if _compile_patch is not None:
         return

@@ -26,7 +26,6 @@ from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
 from zerotrain import ds_patches
-
 from zerotrain.evaluation import evaluate, load_mmlu
 
 DS_CONFIG = {
