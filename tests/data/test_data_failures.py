@@ -173,3 +173,44 @@ def test_control_sentencepiece_itself_wraps_what_its_iterator_raises():
 
     with pytest.raises(RuntimeError, match="Interrupted"):
         spm.SentencePieceTrainer.train(sentence_iterator=sentences(), model_writer=io.BytesIO(), vocab_size=300)
+
+
+def _signal_becomes(wrapper: type[BaseException] | None) -> None:
+    """A SIGTERM to this process whose handler's exception the code it lands in turns into ``wrapper``, as a C
+    extension's module initialisation does (``ImportError: initialization failed``), or swallows (None)."""
+    try:
+        signal.raise_signal(signal.SIGTERM)
+    except BaseException as e:  # noqa: BLE001 -- what a library does to an exception it did not expect
+        if wrapper is not None:
+            raise wrapper("initialization failed") from e
+
+
+@pytest.mark.parametrize("wrapper", [ImportError, RuntimeError, None], ids=["import_error", "runtime_error",
+                                                                            "swallowed"])
+def test_a_signal_the_code_it_lands_in_turns_into_another_error_still_ends_as_interrupted(wrapper):
+    """On CI the SIGTERM of test_sigterm_during_prepare_removes_the_partial_output landed in ``import sentencepiece``,
+    whose extension reported ``ImportError: initialization failed``: the run exited 1 with a traceback, not 143."""
+    from zerotrain.data.prepare import _signals_raise
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted) as caught, _signals_raise():
+        _signal_becomes(wrapper)
+    assert caught.value.signum == signal.SIGTERM
+    assert wrapper is None or isinstance(caught.value.__cause__, wrapper)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_control_without_a_signal_an_error_stays_itself_and_a_bare_raising_handler_loses_the_signal():
+    from zerotrain.data.prepare import _signals_raise
+
+    with pytest.raises(DataError), _signals_raise():
+        raise DataError("input.jsonl line 3: not JSON")
+    def bare(signum, frame):
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, bare)
+    try:
+        with pytest.raises(ImportError):  # what prepare did before: the signal's exit status was lost
+            _signal_becomes(ImportError)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -344,20 +344,35 @@ class Interrupted(BaseException):
 @contextlib.contextmanager
 def _signals_raise(signals=(signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
     """SIGTERM/SIGHUP (scancel, a closed terminal) raise :class:`Interrupted` instead of killing the process on the
-    spot, so the cleanup below runs. SIGINT already raises KeyboardInterrupt. Only the main thread may install."""
+    spot, so the cleanup below runs. SIGINT already raises KeyboardInterrupt. Only the main thread may install.
+
+    The handler's exception can land anywhere, in code that turns it into its own: a C extension being imported
+    reports ``ImportError: initialization failed`` (sentencepiece's did, on CI), sentencepiece's trainer a
+    ``RuntimeError``; a library may even swallow it. So the signal is also remembered, and whatever leaves the block
+    after one arrived, an exception or nothing, leaves it as :class:`Interrupted` (chained to what the signal became)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    received: list[int] = []
 
     def _raise(signum, frame):
+        received.append(signum)
         raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, _raise) for sig in signals}
     try:
         yield
+    except Interrupted:
+        raise
+    except BaseException as e:
+        if received:
+            raise Interrupted(received[0]) from e
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if received:
+        raise Interrupted(received[0])
 
 
 def _temp_name(out: Path) -> Path:
