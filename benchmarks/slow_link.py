@@ -2,7 +2,7 @@
 """Plain ZeRO-3 vs hpZ (stock, sync, ordered) vs hpZ + hierarchical gradients over slow inter-node links, on an
 emulated 2-node cluster.
 
-    sudo .venv/bin/python benchmarks/slow_link.py                       # ~13 min on 2 cores
+    sudo .venv/bin/python benchmarks/slow_link.py                       # ~11 min on 2 cores (with hpz-sync: 14)
     sudo .venv/bin/python benchmarks/slow_link.py --rates 50mbit,unshaped --steps 6 --out-dir runs/slow_link
     sudo .venv/bin/python benchmarks/slow_link.py --rates 20mbit --collectives ring,native   # + gloo's own
 

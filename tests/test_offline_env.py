@@ -55,7 +55,9 @@ def _installed(name: str) -> bool:
 
 
 def torch_only_python(base: Path) -> Path:
-    """A venv (no system site) holding torch, its requirements, numpy and pip, linked from the running environment."""
+    """A venv (no system site) holding torch, its requirements, numpy and pip, linked from the running environment;
+    torch's metadata copied with its version's local label dropped (``2.13.0+cpu`` -> ``2.13.0``), as on the H200
+    node: ``torch.__version__`` says 2.11.0+cu130 while its installed metadata says 2.11.0."""
     if (base / "ok").exists():
         return base / "bin" / "python"
     shutil.rmtree(base, ignore_errors=True)
@@ -65,7 +67,13 @@ def torch_only_python(base: Path) -> Path:
         dist = md.distribution(name)
         for top in {Path(f).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
             source = Path(dist.locate_file(top))
-            if source.exists() and not (purelib / top).exists():
+            if name == "torch" and top.endswith(".dist-info"):
+                unlabelled = re.sub(r"\+[^-]+(?=\.dist-info$)", "", top)  # pip reads the version from the name
+                shutil.copytree(source, purelib / unlabelled)
+                metadata = purelib / unlabelled / "METADATA"
+                metadata.write_text(re.sub(r"(?m)^Version: ([^+\n]+)\+\S+$", r"Version: \1", metadata.read_text(),
+                                           count=1))
+            elif source.exists() and not (purelib / top).exists():
                 (purelib / top).symlink_to(source)
     (base / "ok").write_text("")
     return base / "bin" / "python"
@@ -81,8 +89,8 @@ def offline_env():
         if proc.returncode != 0 and "cannot download" in proc.stderr + proc.stdout:
             pytest.skip(f"the wheelhouse needs PyPI the first time: {proc.stderr[-500:]}")
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    node_python = torch_only_python(root / "node_python")
-    venv = root / f"venv-{_key(*WHEELHOUSE_SOURCES, 'tools/node_env.sh')}"
+    node_python = torch_only_python(root / "node_python-unlabelled2")
+    venv = root / f"venv-{_key(*WHEELHOUSE_SOURCES, 'tools/node_env.sh', 'tools/node_install.py')}"
     return {"wheelhouse": wheelhouse, "node_python": node_python, "venv": venv,
             # Its own JIT cache: DeepSpeed's CPU comm op built from this venv's sources has another build command
             # than the project venv's, and two environments sharing one cache rebuild it in turn.
@@ -102,6 +110,29 @@ def test_wheelhouse_is_one_version_of_each_within_40_mib_without_torch(offline_e
     assert files == {w["file"] for w in manifest["wheels"]}
     ds = next(w for w in manifest["wheels"] if w["name"] == "deepspeed")
     assert ds["file"].endswith("-py3-none-any.whl") and ds["version"] == "0.19.8"
+
+
+def test_the_first_node_install_fails_on_the_node_where_the_walk_chooses_the_wheels(offline_env, tmp_path):
+    """The negative control of node_env.sh's install. Its first version ran pip's resolver with the constraint
+    ``torch==<torch.__version__>``; on the H200 node (torch 2.11.0+cu130, metadata 2.11.0) that matches no candidate,
+    so pip gave up (``ResolutionImpossible`` for ``deepspeed==0.19.8``). tools/node_install.py plans the install
+    from the installed metadata instead."""
+    wheelhouse, node_python = offline_env["wheelhouse"], offline_env["node_python"]
+    version = run([node_python, "-c", "import torch; print(torch.__version__)"]).stdout.strip()
+    assert "+" in version and md.version("torch") == version  # here both carry the label; the node's metadata not
+    constraints = tmp_path / "c.txt"
+    constraints.write_text(f"torch=={version}\n")
+    pip = run([node_python, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links", str(wheelhouse),
+               "-c", str(constraints), "-r", "requirements-node.txt"], check=False, timeout=300,
+              # this machine's pip config adds a find-links holding a torch wheel; a GPU node has none
+              env={"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": str(wheelhouse)})
+    said = pip.stdout + pip.stderr
+    assert pip.returncode != 0 and "ResolutionImpossible" in said, said
+    plan = run([node_python, "tools/node_install.py", str(wheelhouse), "requirements-node.txt", "plan"], timeout=120)
+    files = {Path(x).name for x in plan.stdout.split()}
+    assert {"deepspeed-0.19.8-py3-none-any.whl", "transformers-5.24.0-py3-none-any.whl"} <= files
+    assert not any(f.startswith(("torch-", "numpy-")) for f in files)
+    assert f"torch {version.split('+')[0]}" in plan.stderr  # kept from the node
 
 
 def test_offline_env_trains_on_4_ranks_and_runs_the_dry_run_keeping_the_nodes_torch(offline_env, shakespeare,

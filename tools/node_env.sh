@@ -5,9 +5,10 @@
 #
 # Makes VENV (if missing) from PYTHON, makes PYTHON's own site-packages visible in it after its own (a .pth, so this
 # works also when PYTHON is itself a venv, which `venv --system-site-packages` would not see through), then installs
-# requirements-node.txt from WHEELHOUSE with no index. The node's torch is kept: the wheelhouse has none and a
-# constraint pins torch to the node's version; packages the node has in a satisfying version are kept too. Exit 2
-# on a missing wheelhouse or torch; checks afterwards that torch is still the node's.
+# from WHEELHOUSE, with no index and no dependencies, the wheels tools/node_install.py chooses for
+# requirements-node.txt: the node's packages are kept where their version satisfies every requirement met, torch
+# always (the wheelhouse has none). Exit 2 on a missing wheelhouse or torch, or an unmet requirement (named);
+# checks afterwards that torch is still the node's.
 set -euo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: bash tools/node_env.sh WHEELHOUSE VENV [PYTHON]" >&2
@@ -37,14 +38,19 @@ if [ ! -x "$venv/bin/python" ]; then
     "$py" -c 'import site; print("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in
         site.getsitepackages()))' > "$purelib/_node_site.pth"
 fi
-echo "torch==$torch_version" > "$venv/node-constraints.txt"
 if ! "$py" -m pip --version >/dev/null 2>&1; then
     echo "node_env.sh: $py has no pip" >&2
     exit 2
 fi
-pip=("$py" -m pip --python "$venv/bin/python")
-"${pip[@]}" install --quiet --disable-pip-version-check --no-index --find-links "$wheelhouse" \
-    -c "$venv/node-constraints.txt" -r "$repo/requirements-node.txt"
+# Which wheels: tools/node_install.py walks the closure itself (pip's resolver, with no index, re-resolves the
+# node's torch's own pins and fails on them); then pip installs exactly those, without dependencies.
+plan=$("$venv/bin/python" "$repo/tools/node_install.py" "$wheelhouse" "$repo/requirements-node.txt" plan)
+if [ -n "$plan" ]; then
+    mapfile -t wheels <<<"$plan"
+    "$py" -m pip --python "$venv/bin/python" install --quiet --disable-pip-version-check --no-index --no-deps \
+        "${wheels[@]}"
+fi
+"$venv/bin/python" "$repo/tools/node_install.py" "$wheelhouse" "$repo/requirements-node.txt" check
 "$venv/bin/python" - "$torch_version" "$venv" <<'PY'
 import os, sys
 import torch, deepspeed, transformers, omegaconf  # noqa: E401 -- what zerotrain imports at start
