@@ -214,7 +214,7 @@ def test_resume_continues_the_hierarchical_run_bit_for_bit(results):
 # Ring collectives (cluster.collectives=ring) and the hierarchical path's first-step check (the ``ring`` stage)
 # ----------------------------------------------------------------------------------------------------------------
 
-GROUPS = ("world", "hpz_pair", "peer_pair")
+GROUPS = ("world", "hpz_pair", "peer_pair", "peer_pair_one_connection")
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -240,6 +240,18 @@ def test_ring_reduce_scatter_sends_g_minus_1_chunks_to_its_successor_only(result
     for rank, r in enumerate(section(results, "ring")["per_rank"]):
         case = r["collectives"][f"{group}-random"]
         assert case["rs_sent"] == case["rs_expected"], (rank, case)
+
+
+def test_a_pair_made_by_new_group_exchanges_over_two_connections_and_a_plain_pair_over_one(results):
+    """Groups of two from ring_collectives.new_group (the hpZ and same-local-rank groups) send on one connection and
+    receive on the other, as NCCL does; the same ranks grouped by torch alone keep one (the control), and the
+    4-rank world's neighbours differ, so it needs none."""
+    for rank, r in enumerate(section(results, "ring")["per_rank"]):
+        c = r["collectives"]
+        for group in ("hpz_pair", "peer_pair"):
+            assert c[f"{group}-random"]["rs_exchanges"] == {"two_groups": 1}, (rank, group, c)
+        assert c["peer_pair_one_connection-random"]["rs_exchanges"] == {"one_group": 1}, (rank, c)
+        assert c["world-random"]["rs_exchanges"] == {"one_group": 3}, (rank, c)
 
 
 def test_ring_bytes_leaving_the_nodes_are_the_accountings_ring_model(results):

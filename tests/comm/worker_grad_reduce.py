@@ -345,8 +345,10 @@ def _ring_collectives_vs_native(groups: dict) -> dict:
             tdist.all_gather(everyone, x, group=group)  # torch's own list all-gather: not the ring
             ring_out = torch.empty(numel // g, dtype=x.dtype)
             ring_collectives.bytes_sent(reset=True)
+            ring_collectives.exchanges(reset=True)
             dist.reduce_scatter_fn(ring_out, x.clone(), group=group)
             sent = ring_collectives.bytes_sent(reset=True)
+            exchanges = ring_collectives.exchanges(reset=True)
             native_out = torch.empty_like(ring_out)
             native_rs(native_out, x.clone(), op=tdist.ReduceOp.SUM, group=group)
             # DeepSpeed's own layout: the output is this rank's chunk of the input buffer.
@@ -374,6 +376,7 @@ def _ring_collectives_vs_native(groups: dict) -> dict:
                 "ag_equal_native": torch.equal(gathered, native_gathered),
                 "ag_in_place_equal": torch.equal(in_place, native_gathered),
                 "rs_sent": {str(k): v for k, v in sent.items()},
+                "rs_exchanges": exchanges,
                 "rs_expected": {str(members[(me + 1) % g]): (g - 1) * ring_out.numel() * ring_out.element_size()},
             }
     return out
@@ -388,9 +391,13 @@ def ring(runs: Path, data: str) -> dict:
 
     hpz.uninstall()
     assert ring_collectives.install("ring") == "ring" and ring_collectives.active()
-    pairs = [tdist.new_group([0, 1]), tdist.new_group([2, 3])]
-    peers = [tdist.new_group([0, 2]), tdist.new_group([1, 3])]
-    groups = {"world": None, "hpz_pair": pairs[rank() // 2], "peer_pair": peers[rank() % 2]}
+    # Through ring_collectives.new_group (as zerotrain.hpz.groups makes them): pairs with a twin, so each direction
+    # of the exchange has its own connection; and the same pairs made by torch alone (no twin: one connection).
+    pairs = [ring_collectives.new_group([0, 1]), ring_collectives.new_group([2, 3])]
+    peers = [ring_collectives.new_group([0, 2]), ring_collectives.new_group([1, 3])]
+    single = [tdist.new_group([0, 2]), tdist.new_group([1, 3])]
+    groups = {"world": None, "hpz_pair": pairs[rank() // 2], "peer_pair": peers[rank() % 2],
+              "peer_pair_one_connection": single[rank() % 2]}
     out = {"collectives": _ring_collectives_vs_native(groups)}
 
     # Bytes: a 4-rank reduce-scatter and all-gather counted by the accounting's ring model vs what the rings sent to

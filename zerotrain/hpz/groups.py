@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterator, Optional
 import deepspeed.comm as dist
 from deepspeed.utils import groups as ds_groups
 
+from zerotrain import ring_collectives
 from zerotrain.ds_patches import PatchSet
 
 _cache: Dict[int, Any] = {}  # hpZ size -> this rank's intra-node group
@@ -73,7 +74,7 @@ def create_group(group_size: int) -> None:
             raise ValueError(f"hpZ partition size {size} does not divide world size {world}")
         mine = None
         for i in range(world // size):
-            group = dist.new_group(list(range(i * size, (i + 1) * size)))
+            group = ring_collectives.new_group(list(range(i * size, (i + 1) * size)))
             if i == rank // size:
                 mine = group
         _cache[size] = mine
@@ -93,7 +94,7 @@ def same_local_rank_group(group_size: int) -> Any:
             raise ValueError(f"hpZ partition size {size} does not divide world size {world}")
         mine = None
         for local in range(size):
-            group = dist.new_group(list(range(local, world, size)))
+            group = ring_collectives.new_group(list(range(local, world, size)))
             if local == rank % size:
                 mine = group
         _peer_cache[size] = mine
