@@ -143,7 +143,8 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group:
                                          tdist.P2POp(tdist.irecv, recv, prv, group)])
     else:  # one direction per connection: the lower rank sends on the group, the higher on its twin
         out, into = (group, twin) if tdist.get_rank() < nxt else (twin, group)
-        works = [tdist.isend(send, nxt, group=out), tdist.irecv(recv, prv, group=into)]
+        pending = (tdist.isend(send, nxt, group=out), tdist.irecv(recv, prv, group=into))
+        works = [w for w in pending if w is not None]  # None only on a rank outside the group: not the case here
     for w in works:
         w.wait()
     with _lock:
