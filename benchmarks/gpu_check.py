@@ -983,8 +983,8 @@ def dry_probe() -> dict:
     return info
 
 
-RUNNERS = {"probe": lambda opts: dry_probe() if opts.tiny else probe(), "race": race_section, "record_stream": record_stream_section,
-           "stall": stall_section, "train": train_section}
+RUNNERS = {"probe": lambda opts: dry_probe() if opts.tiny else probe(), "race": race_section,
+           "record_stream": record_stream_section, "stall": stall_section, "train": train_section}
 
 
 def run_child(opts: argparse.Namespace) -> int:

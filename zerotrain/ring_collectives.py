@@ -21,9 +21,11 @@ the predecessor, and gloo runs the two directions of one pair's connection one a
 emulated cluster: 4 MB each way at once took 2.05x the byte time of one direction; 1.05-1.29x with each direction
 on its own process group), where NCCL's send and receive use separate connections. So groups of two made through
 :func:`new_group` while the rings are installed get a twin of the same ranks, and the exchange sends on one and
-receives on the other (the lower rank sends on the group itself): one connection per direction, as NCCL. They run synchronously on the caller's
-thread (an ``async_op`` caller gets a completed handle): no overlap of these collectives with computation, which on
-CPU ranks share the cores with it anyway. NCCL groups are left alone (NCCL's rings are the real thing).
+receives on the other (the lower rank sends on the group itself): one connection per direction, as NCCL.
+
+The rings run synchronously on the caller's thread (an ``async_op`` caller gets a completed handle): no overlap of
+these collectives with computation, which on CPU ranks share the cores with it anyway. NCCL groups are left alone
+(NCCL's rings are the real thing).
 
 Installed on DeepSpeed's communication backend object (``deepspeed.comm.comm.cdb``), as the functions its
 ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` call (``cdb.reduce_scatter_function``,
@@ -51,7 +53,7 @@ _installed: dict[str, Callable] = {}  # attribute of cdb -> gloo's original func
 _backend: Any = None
 _sent: dict[int, int] = defaultdict(int)  # global destination rank -> bytes this rank's rings sent it
 _twins: dict[Any, Any] = {}  # a 2-rank gloo group made by new_group() -> its twin (same ranks, own connections)
-_exchanges: dict[str, int] = defaultdict(int)  # "one_group" / "two_groups" -> exchanges made so
+_exchanges: dict[str, int] = defaultdict(int)  # exchanges made on "one_group" / split over "two_groups"
 
 
 class RingCollectivesError(ZerotrainError, RuntimeError):
