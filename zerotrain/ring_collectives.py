@@ -74,22 +74,22 @@ def active() -> bool:
     return bool(_installed)
 
 
+def _read(counter: dict, reset: bool) -> dict:
+    with _lock:
+        out = dict(counter)
+        if reset:
+            counter.clear()
+    return out
+
+
 def bytes_sent(reset: bool = False) -> dict[int, int]:
     """Bytes the ring collectives sent from this rank, per global destination rank, since the last reset."""
-    with _lock:
-        out = dict(_sent)
-        if reset:
-            _sent.clear()
-    return out
+    return _read(_sent, reset)
 
 
 def exchanges(reset: bool = False) -> dict[str, int]:
     """Point-to-point exchanges made on one group / split over a 2-rank group and its twin, since the last reset."""
-    with _lock:
-        out = dict(_exchanges)
-        if reset:
-            _exchanges.clear()
-    return out
+    return _read(_exchanges, reset)
 
 
 def new_group(ranks: list[int]) -> Any:
