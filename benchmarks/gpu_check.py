@@ -905,7 +905,7 @@ def train_section(opts: argparse.Namespace) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from zerotrain import hpz, metrics
+    from zerotrain import hpz, metrics, models
 
     hpz.uninstall()  # one GPU: no hpZ group, plain ZeRO-3 (what train.py does for hpZ size 1)
     accel = get_accelerator()
@@ -935,6 +935,7 @@ def train_section(opts: argparse.Namespace) -> dict:
     model.activation_checkpointing_enable()  # acts in train mode only (engine.train() below)
     # torch's fused AdamW needs no compiler (DeepSpeed's FusedAdam is JIT-built with nvcc).
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    models.set_fetch_unit(model, models.ParamFetch.layer)  # train.param_fetch's default, as train.py does
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.train()
     checkpointing = model.training and model.is_activation_checkpointing

@@ -148,11 +148,19 @@ def test_checkpointing_attribute_is_read_when_present(tiny):
 def test_offload_and_bf16_follow_deepspeeds_estimator():
     cfg = run_config.parse_args(["recipe=paper_llama2_7b", "zero=zero3_offload_optimizer"])
     p = mp.plan(cfg)
-    P7, largest, gpus = 6_738_415_616, 131_072_000, 16
-    assert p.params.total == P7 and p.params.largest_module == largest
-    assert p.term("model states") == 4 * largest + int(2 * P7 / gpus)  # only bf16 weights stay on the GPU
+    P7, largest, layer, gpus = 6_738_415_616, 131_072_000, 202_383_360, 16
+    assert p.params.total == P7 and p.params.largest_module == largest and p.params.largest_fetch == layer
+    # Only bf16 weights stay on the GPU, and the gathered fetch: a whole decoder layer (train.param_fetch=layer).
+    assert p.term("model states") == 4 * layer + int(2 * P7 / gpus)
+    assert "largest layer fetched 202,383,360" in mp.describe(p)
     assert p.term("hpZ secondary shard") == 2 * P7 // 8
     assert p.host_bytes_per_node == int(P7 * 16 / 2 * 1.5)
+    # DeepSpeed's own unit, every submodule: its largest, the embedding.
+    per_module = mp.plan(run_config.parse_args(["recipe=paper_llama2_7b", "zero=zero3_offload_optimizer",
+                                                "train.param_fetch=module"]))
+    assert per_module.params.largest_fetch == largest
+    assert per_module.term("model states") == 4 * largest + int(2 * P7 / gpus)
+    assert "largest layer fetched" not in mp.describe(per_module)
 
 
 def test_launched_world_comes_from_the_launchers_variables():

@@ -11,8 +11,10 @@ model states
     with the exact parameter count of the model built on the meta device (our count: DeepSpeed's ``model_to_params``
     de-duplicates by ``data_ptr()``, which is 0 for every meta tensor, and so counts one tensor). Without offload it
     is ``18 P / gpus + 4 x largest layer``: bf16 weights and gradients, fp32 master weights and Adam's two moments,
-    and the gathered largest module. With ``zero.offload_optimizer`` / ``offload_param`` it is what stays on the GPU,
-    and the host memory per node is shown beside it.
+    and the gathered largest fetch: the largest module, or with ``train.param_fetch=layer`` (the default) the
+    largest decoder layer when that is bigger (Llama-2-7B: a layer's 202M against the embedding's 131M). With
+    ``zero.offload_optimizer`` / ``offload_param`` it is what stays on the GPU, and the host memory per node is
+    shown beside it.
 hpZ secondary shard
     ``param bytes x P / hpz``: ZeRO++ keeps a second copy of the weights sharded over the hpZ group only, so it does
     not shrink with more nodes (Llama-2-70B: 17.2 GB per GPU at hpZ 8, on any number of nodes).
@@ -196,16 +198,26 @@ class ParameterCounts:
     """The largest module's own parameters (the embedding, for every shipped model): DeepSpeed's largest layer."""
     persistent: int
     """Parameters of at most ``persistence_threshold`` elements each, which ZeRO-3 keeps gathered."""
+    largest_fetch: int = 0
+    """The most parameters one ZeRO-3 fetch gathers: the largest module, or under ``train.param_fetch=layer`` the
+    largest decoder layer if that is bigger (0: not counted, taken as ``largest_module``)."""
 
 
-def count_parameters(model: models.ModelConfig, persistence_threshold: int = 0) -> ParameterCounts:
+def count_parameters(model: models.ModelConfig, persistence_threshold: int = 0,
+                     fetch: models.ParamFetch = models.ParamFetch.module) -> ParameterCounts:
     """Exact counts on the meta device: no memory, no weights, a fraction of a second even for 180B."""
     with torch.device("meta"):  # the class, not _from_config, which could enter zero.Init in a training process
         module = models.MODEL_CLASSES[model.family](models.hf_config(model))
     unique = {id(p): p for p in module.parameters()}.values()
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())
+    fetched = largest
+    if fetch == models.ParamFetch.layer:
+        layers = tuple(models.fetch_layer_classes(module))
+        fetched = max(largest, *(sum(p.numel() for p in m.parameters()) for m in module.modules()
+                                 if isinstance(m, layers)))
     return ParameterCounts(total=sum(p.numel() for p in unique), largest_module=largest,
-                           persistent=sum(p.numel() for p in unique if p.numel() <= persistence_threshold))
+                           persistent=sum(p.numel() for p in unique if p.numel() <= persistence_threshold),
+                           largest_fetch=fetched)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -393,11 +405,12 @@ def plan(cfg: Any, world: World | None = None, device: tuple[int | None, str] | 
     precision = str(train.precision)
     width = 4 if precision == "fp32" else 2
     zero = _zero_settings(cfg.zero)
-    counts = count_parameters(model, zero.param_persistence_threshold)
+    counts = count_parameters(model, zero.param_persistence_threshold,
+                              getattr(train, "param_fetch", models.ParamFetch.layer))  # read as the other keys
     offload_optimizer = _offload_device(zero.offload_optimizer) is not None
     offload_param = _offload_device(zero.offload_param) is not None
     host_states, states, _ = estimate_zero3_model_states_mem_needs(
-        counts.total, counts.largest_module, num_gpus_per_node=world.gpus_per_node, num_nodes=world.nodes,
+        counts.total, counts.largest_fetch or counts.largest_module, num_gpus_per_node=world.gpus_per_node, num_nodes=world.nodes,
         cpu_offload=offload_optimizer, cpu_offload_params=offload_optimizer and offload_param, zero_init=True)
     notes = []
     if precision == "fp32":  # the estimator assumes 2-byte weights and gradients; fp32 keeps 4-byte ones
@@ -479,8 +492,10 @@ def host_verdict(p: MemoryPlan) -> str:
 
 def describe(p: MemoryPlan) -> str:
     """The plan as the ``--plan`` printout."""
+    fetch = p.params.largest_fetch
+    fetched = f", largest layer fetched {fetch:,}" if fetch > p.params.largest_module else ""
     head = (f"memory plan per GPU: recipe {p.recipe or '-'}, {p.params.total:,} parameters (largest module "
-            f"{p.params.largest_module:,}), {p.world.nodes} node(s) x {p.world.gpus_per_node} GPU(s) "
+            f"{p.params.largest_module:,}{fetched}), {p.world.nodes} node(s) x {p.world.gpus_per_node} GPU(s) "
             f"({p.world.source}), hpZ {p.hpz_size}, {p.precision}, micro-batch {p.micro_batch_size} x "
             f"{p.seq_len} tokens")
     width = max(len(t.name) for t in p.terms)

@@ -32,6 +32,13 @@ class ModelFamily(StrEnum):
     falcon = "falcon"  # Falcon (FalconForCausalLM)
 
 
+class ParamFetch(StrEnum):
+    """How ZeRO-3 gathers the parameters (``train.param_fetch``; see :func:`set_fetch_unit`)."""
+
+    layer = "layer"  # a decoder layer's parameters in one coalesced all-gather, hooks on the layer only
+    module = "module"  # DeepSpeed's default: every submodule (each Linear, each norm) gathered on its own
+
+
 class RopeType(StrEnum):
     llama3 = "llama3"  # Llama-3.1/3.2's frequency-dependent stretch of the rotary frequencies
 
@@ -206,6 +213,33 @@ def build_model(model: ModelConfig, precision: str, activation_checkpointing: bo
     if activation_checkpointing:
         module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return module
+
+
+def fetch_layer_classes(module: torch.nn.Module) -> list[type[torch.nn.Module]]:
+    """The decoder-layer classes of a built model: those its ``_no_split_modules`` names (transformers' own list of
+    the blocks that must stay whole, the unit FSDP wraps), found among its submodules."""
+    names = set(getattr(module, "_no_split_modules", None) or ())
+    classes = {type(m) for m in module.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ConfigError(f"train.param_fetch=layer: {type(module).__name__} names no decoder-layer class "
+                          f"(_no_split_modules={sorted(names)}); use train.param_fetch=module")
+    return sorted(classes, key=lambda c: c.__name__)
+
+
+def set_fetch_unit(module: torch.nn.Module, fetch: ParamFetch) -> list[str]:
+    """Make each decoder layer ZeRO-3's unit of fetching (``layer``), before ``deepspeed.initialize``: DeepSpeed's
+    ``set_z3_leaf_modules`` stops its hooks at the layer, so entering a layer gathers all of its parameters in one
+    coalesced all-gather (from the hpZ secondary shards in backward) and leaving it releases them, instead of one
+    all-gather and four hooks per ``Linear`` and norm. The arithmetic is the same (losses equal to ``module`` up
+    to the summation order of the gradient buckets); the gathered working set becomes one whole layer (the memory
+    plan counts it). Returns the leaf class names (none under ``module``, DeepSpeed's default)."""
+    if fetch == ParamFetch.module:
+        return []
+    from deepspeed.utils import set_z3_leaf_modules
+
+    classes = fetch_layer_classes(module)
+    set_z3_leaf_modules(module, classes)
+    return [c.__name__ for c in classes]
 
 
 def count_parameters(model: ModelConfig) -> int:

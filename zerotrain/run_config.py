@@ -49,7 +49,7 @@ from zerotrain.evaluation.training_hook import MMLUConfig
 from zerotrain.fields import bounded
 from zerotrain.hpz.config import HpzConfig
 from zerotrain.loggers import WandbConfig
-from zerotrain.models import ModelConfig, validate_model
+from zerotrain.models import ModelConfig, ParamFetch, validate_model
 from zerotrain.profiling import ProfileConfig
 from zerotrain.schedule import ScheduleConfig
 
@@ -123,6 +123,12 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input for backward and recompute the layer there (~1/3 more compute, the
     saved activations cut to 2*hidden bytes per token per layer in bf16; see docs/paper.md)."""
+    param_fetch: ParamFetch = ParamFetch.layer
+    """layer | module: ZeRO-3's unit of gathering. layer: each decoder layer's parameters in one coalesced
+    all-gather when the layer starts (forward, and backward from the hpZ shards), hooks on layers only; module:
+    DeepSpeed's default, an all-gather and hooks per submodule (every Linear and norm). Same arithmetic; layer
+    issues ~1/7 of the all-gathers (fewer latency-bound collectives on slow links) and holds one whole layer
+    gathered at a time (the memory plan counts it). Measured: benchmarks/train_throughput.py, docs/paper.md."""
     loss_reduction: LossReduction = LossReduction.token
     """token | micro_batch: how the loss averages over the trained tokens (labels != -100) of an optimizer step.
     token: the mean over all of them, whatever the split into micro-batches, accumulation steps and ranks;

@@ -179,6 +179,10 @@ class Trainer:
         self.flops_per_token = metrics.flops_per_token(
             metrics.matmul_params(model), cfg.model.num_layers, cfg.model.hidden_size, train.seq_len
         )
+        leaves = models.set_fetch_unit(model, train.param_fetch)  # before the engine registers its hooks
+        if self.dist.is_main:
+            log.info("ZeRO-3 fetch unit: %s (train.param_fetch=%s)", ", ".join(leaves) or "every submodule",
+                     train.param_fetch)
         self.engine = engine_lib.initialize(model, cfg.optim, cfg.schedule, train.steps, self.ds_config,
                                             self.optimizer_impl)
         verify_deepspeed_hpz_groups(self.layout)  # DeepSpeed's real hpZ groups must be intra-node
