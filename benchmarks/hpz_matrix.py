@@ -40,6 +40,8 @@ NOTES = {
     "resume": "zerotrain.hpz drops every shard after load_checkpoint (DeepSpeed's epilogue drops only the trainable "
               "parameters' shards)",
     "mmlu_hook": "zerotrain.evaluation.evaluate between steps: the same log-likelihoods as plain ZeRO-3",
+    "layer_fetch": "one coalesced all-gather reads every shard of a decoder layer: our all-gather hook orders it "
+                   "after each of their copies (one event wait per shard, as per module)",
     "grad_reduce_hierarchical": "reference: sync with the same reduction (plain ZeRO-3 has no hpZ group to reduce "
                                 "in); vs flat ZeRO-3 it is within the tolerances of the section above (summation "
                                 "order)",

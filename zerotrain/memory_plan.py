@@ -410,7 +410,8 @@ def plan(cfg: Any, world: World | None = None, device: tuple[int | None, str] | 
     offload_optimizer = _offload_device(zero.offload_optimizer) is not None
     offload_param = _offload_device(zero.offload_param) is not None
     host_states, states, _ = estimate_zero3_model_states_mem_needs(
-        counts.total, counts.largest_fetch or counts.largest_module, num_gpus_per_node=world.gpus_per_node, num_nodes=world.nodes,
+        counts.total, counts.largest_fetch or counts.largest_module, num_gpus_per_node=world.gpus_per_node,
+        num_nodes=world.nodes,
         cpu_offload=offload_optimizer, cpu_offload_params=offload_optimizer and offload_param, zero_init=True)
     notes = []
     if precision == "fp32":  # the estimator assumes 2-byte weights and gradients; fp32 keeps 4-byte ones

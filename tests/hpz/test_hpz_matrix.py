@@ -73,3 +73,8 @@ def test_each_option_was_in_effect(hpz_emulated, kind):
     assert all(e["frozen_has_secondary_shard"] for e in evidence("frozen_embeddings"))  # the frozen shard is read
     assert all(e["hierarchical_grad_reduces"] > 0 for e in evidence("grad_reduce_hierarchical"))
     assert all(e["hierarchical_grad_reduces"] > 0 for e in evidence("grad_reduce_hierarchical", "sync"))
+    # Layer fetch: an all-gather reads a whole layer's shards; per-module fetch (every other row; the offload one is
+    # the control) one module's weight (and bias: Falcon's norms have one).
+    per_layer = [e["shards_per_gather"] for e in evidence("layer_fetch")]
+    per_module = [e["shards_per_gather"] for e in evidence("offload_optimizer")]
+    assert 1 <= max(per_module) <= 2 and min(per_layer) > 2 * max(per_module), (per_layer, per_module)

@@ -8,6 +8,9 @@ run stops before anything is written (tests/test_launch_failures.py: hpZ + param
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from zerotrain import engine, run_config
@@ -107,3 +110,12 @@ def test_the_emulator_launch_records_the_same_refused_rows_for_the_table():
     assert all(worker_matrix.REFUSED[name] == REFUSED[name][:2] for name in REFUSED)
     recorded = worker_matrix.refusals()
     assert all(r["refused"] and r["exit_code"] == EXIT_USER_ERROR for r in recorded.values()), recorded
+
+
+def test_the_table_writer_has_a_note_for_every_option_row():
+    import worker_matrix  # a row added there without a note in benchmarks/hpz_matrix.py fails the table's remake
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import hpz_matrix
+
+    assert set(worker_matrix.OPTIONS) <= set(hpz_matrix.NOTES), set(worker_matrix.OPTIONS) - set(hpz_matrix.NOTES)

@@ -25,7 +25,7 @@ import _common as C
 import deepspeed
 import torch
 
-from zerotrain import hpz
+from zerotrain import hpz, models
 from zerotrain.hpz import async_emulator as emu
 
 STEPS = 4
@@ -43,7 +43,10 @@ OPTIONS = {
     "resume": "resume: save_checkpoint after 2 steps, a fresh engine load_checkpoint, 2 more steps",
     "mmlu_hook": "validation and the MMLU hook (zerotrain.evaluation.evaluate between steps)",
     "grad_reduce_hierarchical": "hpz.grad_reduce=hierarchical",
+    "layer_fetch": "train.param_fetch=layer (a decoder layer per coalesced all-gather; other rows: per module)",
 }
+# The rows that record how many hpZ shards an all-gather read: layer fetch, and a per-module row as its control.
+FETCH_EVIDENCE = ("layer_fetch", "offload_optimizer")
 # Refused rows (zerotrain.hpz.options): name -> (zero_optimization extras, top-level extras); benchmarks/hpz_matrix.py
 # writes each refusal's message into the table (refusals()), tests/hpz/test_hpz_options.py checks them.
 REFUSED = {
@@ -131,6 +134,8 @@ def _build(option: str, kind: str, arm: str, seed: int = 0):
         _embedding(model, kind).weight.requires_grad_(False)
     if option == "activation_checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if option == "layer_fetch":  # what the trainer does by default, before the engine registers its hooks
+        models.set_fetch_unit(model, models.ParamFetch.layer)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     return engine, cfg
@@ -197,6 +202,9 @@ def _train(option: str, kind: str, arm: str) -> tuple:
             is not None
     if option == "grad_reduce_hierarchical":
         evidence["hierarchical_grad_reduces"] = hpz.counters().get("hierarchical_grad_reduces", 0)
+    if option in FETCH_EVIDENCE:
+        counts = hpz.counters()
+        evidence["shards_per_gather"] = counts.get("shards_read", 0) / max(1, counts.get("secondary_gathers", 0))
     return engine, losses, evidence
 
 
