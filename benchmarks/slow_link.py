@@ -5,6 +5,7 @@ emulated 2-node cluster.
     sudo .venv/bin/python benchmarks/slow_link.py                       # ~11 min on 2 cores (with hpz-sync: 14)
     sudo .venv/bin/python benchmarks/slow_link.py --rates 50mbit,unshaped --steps 6 --out-dir runs/slow_link
     sudo .venv/bin/python benchmarks/slow_link.py --rates 20mbit --collectives ring,native   # + gloo's own
+    sudo .venv/bin/python benchmarks/slow_link.py --param-fetch module   # DeepSpeed's per-submodule all-gathers
 
 One launch of 2 emulated nodes x 2 processes (``tools.emulate``: a network namespace per node, ``tc``-shaped
 veth links, intra-node traffic over each namespace's loopback) runs every (bandwidth, variant) pair one after
@@ -125,7 +126,7 @@ def worker(args) -> int:
             _wait_for(ctl / f"shaped-{label}")
         overrides = ["recipe=tiny_llama", f"data.train.0.path={args.data}", f"run.output_dir={out / 'runs'}",
                      f"run.name={label}", f"train.steps={args.steps}", *MODEL, *TRAIN, *VARIANTS[variant],
-                     f"cluster.collectives={collectives}"]
+                     f"cluster.collectives={collectives}", f"train.param_fetch={args.param_fetch}"]
         measure = MeasureSteadyState()
         # Barriers inside: nobody starts before rank 0 is released.
         trainer = Trainer(parse_args(overrides), callbacks=[measure])
@@ -277,7 +278,7 @@ def parent(args) -> int:
         port = 29500
         worker_args = [str(Path(__file__).resolve()), "--worker", "--out-dir", str(out), "--data", str(data),
                        "--rates", args.rates, "--variants", args.variants, "--steps", str(args.steps),
-                       "--collectives", args.collectives,
+                       "--collectives", args.collectives, "--param-fetch", args.param_fetch,
                        "--warmup", str(args.warmup)]
         from tools.emulate import torchrun_argv
 
@@ -312,7 +313,8 @@ def parent(args) -> int:
     results = json.loads((out / "results.json").read_text())
     md = side_by_side(results) + "\n\n" + table(results) if results[0]["variant"] == "zero3" else table(results)
     note = (f"\n\n2 emulated nodes x 2 processes, {args.steps - args.warmup} measured steps per run "
-            f"(after {args.warmup} warm-up), {time.time() - t_start:.0f} s in all. MB = 10^6 bytes.\n")
+            f"(after {args.warmup} warm-up), ZeRO-3 fetch unit {args.param_fetch} (train.param_fetch), "
+            f"{time.time() - t_start:.0f} s in all. MB = 10^6 bytes.\n")
     (out / "slow_link.md").write_text(md + note)
     (out / "slow_link.json").write_text(json.dumps(results, indent=1))
     figure(results, out / "slow_link.png")
@@ -329,6 +331,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--collectives", default="ring",
                    help="ring (the bytes of NCCL's ring algorithms) and/or native (gloo's own), comma-separated")
     p.add_argument("--steps", type=int, default=6, help="steps per run (default 6)")
+    p.add_argument("--param-fetch", default="layer", choices=("layer", "module"),
+                   help="ZeRO-3's fetch unit for every variant (train.param_fetch; default layer, the trainer's)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the measurements (default 2)")
     p.add_argument("--out-dir", default=str(REPO / "runs" / "slow_link"))
     p.add_argument("--data", default=str(REPO / "data" / "prepared" / "shakespeare"),
