@@ -109,7 +109,7 @@ def main() -> None:
                   file=sys.stderr, flush=True)
 
     median = {name: statistics.median(t) for name, t in times.items()}
-    tokens = json.loads((config_dir / "deepspeed_config.json").read_text())["train_batch_size"] * _seq_len(config_dir)
+    tokens = result["tokens_per_s"] * result["step_time_s"]  # per step, the same in every arm (the last run's)
     title = " ".join([args.recipe, *args.overrides])
     print(f"\n{title}, {args.nproc} CPU processes, ZeRO-3 hpZ {args.hpz}, {args.steps} steps, median of "
           f"{args.repeats} launches per arm (wall clock step end to step end, first two steps left out)\n")
@@ -128,12 +128,6 @@ def main() -> None:
               f"{ratio(same_unit, name)} |")
     print(f"\ndata/prepare.py on the shipped corpus (tokenizer training included): {data['tokens']:,} tokens in "
           f"{data['seconds']:.1f} s = {data['tokens_per_s']:,.0f} tokens/s")
-
-
-def _seq_len(run_dir: Path) -> int:
-    from zerotrain import run_config
-
-    return run_config.load(run_dir / "config.yaml").train.seq_len
 
 
 if __name__ == "__main__":
